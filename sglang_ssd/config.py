@@ -1,0 +1,179 @@
+"""The one configuration dataclass of sglang-ssd.
+
+Where SGLang has a flag we use it; everything else comes from one JSON object in the
+``SGLANG_SSD_CONFIG`` environment variable (inline JSON, or a path to a ``.json`` file):
+
+=====================  ==========================================  =========================
+setting                source                                      default
+=====================  ==========================================  =========================
+draft model            ``--speculative-draft-model-path``          (required)
+K (drafts per round)   ``--speculative-num-steps``                 4
+fan_out (per depth)    ``SGLANG_SSD_CONFIG["fan_out"]``            3 (uniform; B = F*(K+1))
+mode                   ``SGLANG_SSD_CONFIG["mode"]``               "async" (SSD); "sync" = SD
+draft_device           ``SGLANG_SSD_CONFIG["draft_device"]``       "cpu" / "cuda:1" on GPU
+draft_endpoint         ``SGLANG_SSD_CONFIG["draft_endpoint"]``     null = spawn a draft process
+draft_dtype            ``SGLANG_SSD_CONFIG["draft_dtype"]``        "float32"
+draft_cpu_core         ``SGLANG_SSD_CONFIG["draft_cpu_core"]``     last core (CPU draft)
+target_cpu_core        ``SGLANG_SSD_CONFIG["target_cpu_core"]``    null (no pinning)
+draft_threads          ``SGLANG_SSD_CONFIG["draft_threads"]``      1
+draft_timeout_s        ``SGLANG_SSD_CONFIG["draft_timeout_s"]``    60
+startup_timeout_s      ``SGLANG_SSD_CONFIG["startup_timeout_s"]``  120
+stats_interval         ``SGLANG_SSD_CONFIG["stats_interval"]``     50 rounds between log lines
+=====================  ==========================================  =========================
+
+Every error names the flag or key at fault.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+ENV_VAR = "SGLANG_SSD_CONFIG"
+DRAFT_FLAG = "--speculative-draft-model-path"
+K_FLAG = "--speculative-num-steps"
+MAX_K = 16
+MODES = ("async", "sync")
+
+
+class SaguaroConfigError(ValueError):
+    """A bad saguaro setting; the message names the flag or config key."""
+
+
+@dataclass
+class SaguaroConfig:
+    draft_model_path: str
+    num_spec_tokens: int = 4
+    fan_out: list[int] = field(default_factory=list)  # len K+1 after validation
+    mode: str = "async"
+    draft_device: str = "cpu"
+    draft_endpoint: Optional[str] = None
+    draft_dtype: str = "float32"
+    draft_cpu_core: Optional[int] = None
+    target_cpu_core: Optional[int] = None
+    draft_threads: int = 1
+    draft_timeout_s: float = 60.0
+    startup_timeout_s: float = 120.0
+    stats_interval: int = 50
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_sources(cls, draft_model_path: Optional[str], num_steps: Optional[int],
+                     env: Optional[dict] = None) -> "SaguaroConfig":
+        extra = load_env_config(os.environ if env is None else env)
+        known = {f.name for f in dataclasses.fields(cls)} - {"draft_model_path", "num_spec_tokens"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise SaguaroConfigError(
+                f"{ENV_VAR}: unknown key(s) {unknown}; known keys: {sorted(known)}")
+        if not draft_model_path:
+            raise SaguaroConfigError(
+                f"saguaro needs a draft model: pass {DRAFT_FLAG} DIR (a Hugging Face checkpoint "
+                "directory sharing the target's tokenizer)")
+        cfg = cls(draft_model_path=str(draft_model_path),
+                  num_spec_tokens=4 if num_steps is None else num_steps, **extra)
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def from_server_args(cls, server_args: Any) -> "SaguaroConfig":
+        return cls.from_sources(getattr(server_args, "speculative_draft_model_path", None),
+                                getattr(server_args, "speculative_num_steps", None))
+
+    # ---- validation ---------------------------------------------------------------------
+    def validate(self) -> None:
+        k = self.num_spec_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
+            raise SaguaroConfigError(f"{K_FLAG} must be an integer in [1, {MAX_K}], got {k!r}")
+        self.fan_out = _fan_out_list(self.fan_out, k)
+        if self.mode not in MODES:
+            raise SaguaroConfigError(f"{ENV_VAR} key 'mode' must be one of {MODES}, got {self.mode!r}")
+        if not (self.draft_device == "cpu" or self.draft_device.startswith("cuda")):
+            raise SaguaroConfigError(
+                f"{ENV_VAR} key 'draft_device' must be 'cpu' or 'cuda[:N]', got {self.draft_device!r}")
+        if self.draft_dtype not in ("float32", "bfloat16", "float16"):
+            raise SaguaroConfigError(
+                f"{ENV_VAR} key 'draft_dtype' must be float32, bfloat16 or float16, got {self.draft_dtype!r}")
+        if self.draft_endpoint is not None and not str(self.draft_endpoint).startswith(("ipc://", "tcp://")):
+            raise SaguaroConfigError(
+                f"{ENV_VAR} key 'draft_endpoint' must be an ipc:// or tcp:// address, got {self.draft_endpoint!r}")
+        for key in ("draft_cpu_core", "target_cpu_core"):
+            v = getattr(self, key)
+            if v is not None and (not isinstance(v, int) or v < 0):
+                raise SaguaroConfigError(f"{ENV_VAR} key {key!r} must be a core index >= 0 or null, got {v!r}")
+        if not isinstance(self.draft_threads, int) or self.draft_threads < 1:
+            raise SaguaroConfigError(f"{ENV_VAR} key 'draft_threads' must be an integer >= 1")
+        for key in ("draft_timeout_s", "startup_timeout_s"):
+            v = getattr(self, key)
+            if not isinstance(v, (int, float)) or v <= 0:
+                raise SaguaroConfigError(f"{ENV_VAR} key {key!r} must be a positive number of seconds, got {v!r}")
+        if not isinstance(self.stats_interval, int) or self.stats_interval < 1:
+            raise SaguaroConfigError(f"{ENV_VAR} key 'stats_interval' must be an integer >= 1")
+        validate_draft_path(self.draft_model_path)
+
+    @property
+    def budget(self) -> int:
+        """B: speculations pre-computed per request per round."""
+        return sum(self.fan_out)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+def load_env_config(env) -> dict:
+    raw = env.get(ENV_VAR, "").strip()
+    if not raw:
+        return {}
+    text = raw
+    if not raw.startswith("{"):
+        if not os.path.isfile(raw):
+            raise SaguaroConfigError(f"{ENV_VAR} must be a JSON object or the path of a JSON file; "
+                                     f"{raw!r} is neither")
+        with open(raw) as fh:
+            text = fh.read()
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SaguaroConfigError(f"{ENV_VAR} is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise SaguaroConfigError(f"{ENV_VAR} must hold a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _fan_out_list(fan_out: Any, k: int) -> list[int]:
+    if fan_out is None or fan_out == []:
+        fan_out = 3
+    if isinstance(fan_out, int) and not isinstance(fan_out, bool):
+        fan_out = [fan_out] * (k + 1)
+    if (not isinstance(fan_out, list) or len(fan_out) != k + 1
+            or not all(isinstance(f, int) and not isinstance(f, bool) and 0 <= f <= 64 for f in fan_out)):
+        raise SaguaroConfigError(
+            f"{ENV_VAR} key 'fan_out' must be an integer in [0, 64] or a list of K+1 = {k + 1} such "
+            f"integers (K from {K_FLAG}), got {fan_out!r}")
+    if sum(fan_out) == 0:
+        raise SaguaroConfigError(f"{ENV_VAR} key 'fan_out' must cache at least one branch (sum > 0)")
+    return list(fan_out)
+
+
+def validate_draft_path(path: str) -> None:
+    """Fail early, naming the flag, when the draft checkpoint is missing or unusable."""
+    if not os.path.isdir(path):
+        raise SaguaroConfigError(f"{DRAFT_FLAG}: {path!r} is not a directory (expected a Hugging Face "
+                                 "checkpoint directory with config.json and *.safetensors)")
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise SaguaroConfigError(f"{DRAFT_FLAG}: {path!r} has no config.json")
+    try:
+        with open(cfg_path) as fh:
+            hf = json.load(fh)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SaguaroConfigError(f"{DRAFT_FLAG}: cannot read {cfg_path}: {exc}") from None
+    if not any(f.endswith(".safetensors") for f in os.listdir(path)):
+        raise SaguaroConfigError(f"{DRAFT_FLAG}: {path!r} holds no *.safetensors weights")
+    archs = hf.get("architectures") or []
+    if not any(a in ("LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM") for a in archs):
+        raise SaguaroConfigError(f"{DRAFT_FLAG}: unsupported draft architecture {archs}; "
+                                 "supported: LlamaForCausalLM, Qwen3ForCausalLM, MistralForCausalLM")

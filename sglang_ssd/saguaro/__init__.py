@@ -1,0 +1,1 @@
+"""Pure math of Saguaro / SSD: no SGLang, no ZeroMQ imports in this subpackage."""

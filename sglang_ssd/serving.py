@@ -1,0 +1,112 @@
+"""Start, query and stop an SGLang HTTP server in a subprocess (used by the demo, tests, benchmarks)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Optional
+
+import requests
+
+logger = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_machine() -> bool:
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except Exception:
+        return True
+
+
+class SGLangServer:
+    """``with SGLangServer(model, extra_args) as srv: srv.generate(...)``.
+
+    On CPU it launches through ``sglang_ssd.launch_cpu``; on GPU through ``sglang.launch_server``.
+    ``cpu_core`` pins the server's processes (taskset) - the draft it spawns pins itself elsewhere.
+    """
+
+    def __init__(self, model_path: str, extra_args: Optional[list[str]] = None, *,
+                 env: Optional[dict] = None, cpu_core: Optional[int] = None,
+                 startup_timeout: float = 300.0, log_path: Optional[str] = None):
+        self.model_path = model_path
+        self.extra_args = list(extra_args or [])
+        self.env = dict(os.environ, **(env or {}))
+        self.cpu_core = cpu_core
+        self.startup_timeout = startup_timeout
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.proc: Optional[subprocess.Popen] = None
+        self._log = None
+
+    def start(self) -> "SGLangServer":
+        module = "sglang_ssd.launch_cpu" if cpu_machine() else "sglang.launch_server"
+        cmd = [sys.executable, "-m", module, "--model-path", self.model_path, "--host", "127.0.0.1",
+               "--port", str(self.port), "--skip-server-warmup", *self.extra_args]
+        if self.cpu_core is not None:
+            cmd = ["taskset", "-c", str(self.cpu_core)] + cmd
+        self._log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
+        logger.info("starting: %s", " ".join(cmd))
+        self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with code {self.proc.returncode} during startup"
+                                   + (f"; log: {self.log_path}" if self.log_path else ""))
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"server not healthy after {self.startup_timeout}s")
+
+    def generate(self, text=None, input_ids=None, sampling_params: Optional[dict] = None,
+                 timeout: float = 600, **extra) -> dict | list:
+        payload = {"sampling_params": sampling_params or {}, **extra}
+        if text is not None:
+            payload["text"] = text
+        if input_ids is not None:
+            payload["input_ids"] = input_ids
+        r = requests.post(self.url + "/generate", json=payload, timeout=timeout)
+        r.raise_for_status()
+        return r.json()
+
+    def server_info(self) -> dict:
+        return requests.get(self.url + "/server_info", timeout=10).json()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(30)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(10)
+        if self._log not in (None, subprocess.DEVNULL):
+            self._log.close()
+            self._log = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,244 @@
+"""The worker's side of the draft connection: process lifecycle, per-request state, fallback.
+
+Each request's state is what the draft last proposed for it; the next round tells the draft the
+outcome (k accepted, bonus) of that proposal.  Whenever the draft is unreachable, slow or
+confused, ``speculate`` returns an empty proposal (``max_accept = 0``) and the round decodes
+one token with the target alone: output stays exact, nothing is lost.  The draft is then
+restarted (or reconnected) with backoff and live requests are re-prefilled lazily.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from sglang_ssd.config import SaguaroConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Proposal:
+    """K draft tokens per request and what verification needs to stay exact."""
+
+    tokens: torch.Tensor  # [bs, K] int64
+    q16: Optional[torch.Tensor]  # [bs, K, V] float16 proposal distributions, rows with q only
+    q_valid: torch.Tensor  # [bs] bool: row has a sampled (non-deterministic) proposal
+    max_accept: torch.Tensor  # [bs] int64: drafts that may be accepted (0 = target-only round)
+    hit: torch.Tensor  # [bs] bool: came from the speculation cache
+    wait_s: float = 0.0
+
+
+@dataclass
+class _ReqState:
+    spec: list[int]  # the K tokens last proposed
+    known_len: int  # prompt + output tokens when the proposal was made
+
+
+@dataclass
+class LinkStats:
+    rounds: int = 0
+    rows: int = 0
+    hits: int = 0
+    fallback_rows: int = 0
+    accepted: int = 0  # accepted drafts + bonus tokens
+    wait_s: float = 0.0
+    restarts: int = 0
+    errors: int = 0
+    hist: list[int] = field(default_factory=list)
+
+
+class DraftLink:
+    def __init__(self, cfg: SaguaroConfig, vocab_size: int, eos_ids: list[int]):
+        from sglang_ssd.draft.client import DraftClient
+
+        self._client_cls = DraftClient
+        self.cfg = cfg
+        self.k = cfg.num_spec_tokens
+        self.vocab_size = vocab_size
+        self.eos_ids = eos_ids
+        self.states: dict[str, _ReqState] = {}
+        self.stats = LinkStats(hist=[0] * (self.k + 2))
+        self.proc: Optional[subprocess.Popen] = None
+        self.client = None
+        self.round_id = 0
+        self._next_retry = 0.0
+        self._backoff = 1.0
+        self.endpoint = cfg.draft_endpoint or f"ipc://{tempfile.gettempdir()}/sglang-ssd-{uuid.uuid4().hex[:12]}.sock"
+        self.spawn = cfg.draft_endpoint is None or os.environ.get("SGLANG_SSD_SPAWN_DRAFT") == "1"
+        self._connect(startup=True)
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def _spawn(self) -> None:
+        cmd = [sys.executable, "-m", "sglang_ssd.draft", "--model", self.cfg.draft_model_path,
+               "--device", self.cfg.draft_device, "--bind", self.endpoint,
+               "--dtype", self.cfg.draft_dtype, "--threads", str(self.cfg.draft_threads)]
+        core = self.cfg.draft_cpu_core
+        if core is None and self.cfg.draft_device == "cpu" and (os.cpu_count() or 1) > 1:
+            core = (os.cpu_count() or 1) - 1
+        if core is not None:
+            cmd += ["--cpu-core", str(core)]
+        logger.info("saguaro: starting draft process: %s", " ".join(cmd))
+        self.proc = subprocess.Popen(cmd)
+
+    def _connect(self, startup: bool = False) -> bool:
+        try:
+            if self.spawn and (self.proc is None or self.proc.poll() is not None):
+                self._spawn()
+            if self.client is not None:
+                self.client.close()
+            self.client = self._client_cls(self.endpoint, timeout_s=self.cfg.draft_timeout_s)
+            deadline = time.monotonic() + self.cfg.startup_timeout_s
+            while True:
+                try:
+                    info = self.client.hello(k=self.k, mode=self.cfg.mode, fan_out=self.cfg.fan_out,
+                                             vocab_size=self.vocab_size, eos_ids=self.eos_ids)
+                    break
+                except Exception as exc:  # not up yet
+                    if self.proc is not None and self.proc.poll() is not None:
+                        raise RuntimeError(f"draft process exited with code {self.proc.returncode}") from exc
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.5)
+            logger.info("saguaro: draft ready at %s (%s)", self.endpoint, info)
+            self.states.clear()
+            self._backoff = 1.0
+            return True
+        except Exception as exc:
+            if startup:
+                raise RuntimeError(f"saguaro: could not start the draft at {self.endpoint}: {exc}") from exc
+            logger.warning("saguaro: draft reconnect failed (%s); retrying in %.0fs", exc, self._backoff)
+            self._next_retry = time.monotonic() + self._backoff
+            self._backoff = min(self._backoff * 2, 30.0)
+            return False
+
+    def _fail(self, exc: Exception) -> None:
+        self.stats.errors += 1
+        logger.warning("saguaro: draft error (%s: %s); this round decodes with the target alone",
+                       type(exc).__name__, exc)
+        self.client_ok = False
+        self.states.clear()
+        self._next_retry = time.monotonic() + self._backoff
+        self.stats.restarts += 1
+
+    def close(self) -> None:
+        try:
+            if self.client is not None and self.spawn:
+                self.client.shutdown()
+        except Exception:
+            pass
+        if self.client is not None:
+            self.client.close()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    # ---- per round ----------------------------------------------------------------------
+    client_ok = True
+
+    def speculate(self, reqs, temperatures: list[float]) -> Proposal:
+        bs = len(reqs)
+        t0 = time.perf_counter()
+        if not self.client_ok:
+            if time.monotonic() < self._next_retry or not self._connect():
+                return self._fallback(bs, t0)
+            self.client_ok = True
+        rids = [r.rid for r in reqs]
+        try:
+            self._release_departed(set(rids))
+            ks, bonuses, new_rids, new_prompts, new_temps = [], [], [], [], []
+            for r, temp in zip(reqs, temperatures):
+                known = len(r.origin_input_ids) + len(r.output_ids)
+                st = self.states.get(r.rid)
+                k = self._outcome(st, r, known)
+                if k is None:  # unknown to the draft (new, retracted, or after a restart)
+                    if st is not None:
+                        self.client.release([r.rid])
+                    new_rids.append(r.rid)
+                    new_prompts.append(list(r.origin_input_ids) + list(r.output_ids[:-1]))
+                    new_temps.append(temp)
+                    k = -1
+                ks.append(k)
+                bonuses.append(int(r.output_ids[-1]))
+            if new_rids:
+                self.client.prefill(new_rids, new_prompts, new_temps)
+            self.round_id += 1
+            reply = self.client.speculate(self.round_id, rids, ks, bonuses, temperatures)
+            tokens = torch.as_tensor(reply.tokens, dtype=torch.int64).reshape(bs, self.k)
+            if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size:
+                raise ValueError("draft proposed token ids outside the vocabulary")
+            q_valid = torch.as_tensor(reply.q_rows, dtype=torch.bool).reshape(bs)
+            q16 = None
+            if bool(q_valid.any()):
+                q16 = torch.zeros(bs, self.k, self.vocab_size, dtype=torch.float16)
+                q16[q_valid] = torch.as_tensor(reply.q).reshape(-1, self.k, self.vocab_size)
+            for r, row in zip(reqs, tokens.tolist()):
+                self.states[r.rid] = _ReqState(spec=row, known_len=len(r.origin_input_ids) + len(r.output_ids))
+            hit = torch.as_tensor(reply.hit, dtype=torch.bool).reshape(bs)
+        except Exception as exc:
+            self._fail(exc)
+            return self._fallback(bs, t0)
+        wait = time.perf_counter() - t0
+        self.stats.wait_s += wait
+        self.stats.hits += int(hit.sum())
+        return Proposal(tokens, q16, q_valid, torch.full((bs,), self.k, dtype=torch.int64), hit, wait)
+
+    def _outcome(self, st: Optional[_ReqState], req, known: int) -> Optional[int]:
+        """k for the last proposal, checked against what SGLang committed; None = out of sync."""
+        if st is None:
+            return None
+        k = known - st.known_len - 1  # the round added k accepted drafts + 1 bonus
+        if not 0 <= k <= self.k or list(req.output_ids[len(req.output_ids) - 1 - k : -1]) != st.spec[:k]:
+            return None
+        return k
+
+    def _release_departed(self, live: set) -> None:
+        gone = [rid for rid in self.states if rid not in live]
+        if gone:
+            self.client.release(gone)
+            for rid in gone:
+                del self.states[rid]
+
+    def release(self, rids: list[str]) -> None:
+        rids = [r for r in rids if r in self.states]
+        if not rids or not self.client_ok:
+            return
+        try:
+            self.client.release(rids)
+            for rid in rids:
+                del self.states[rid]
+        except Exception as exc:
+            self._fail(exc)
+
+    def _fallback(self, bs: int, t0: float) -> Proposal:
+        self.stats.fallback_rows += bs
+        return Proposal(
+            tokens=torch.zeros(bs, self.k, dtype=torch.int64), q16=None,
+            q_valid=torch.zeros(bs, dtype=torch.bool), max_accept=torch.zeros(bs, dtype=torch.int64),
+            hit=torch.zeros(bs, dtype=torch.bool), wait_s=time.perf_counter() - t0)
+
+    def record(self, accept_lens: list[int]) -> None:
+        self.stats.rounds += 1
+        self.stats.rows += len(accept_lens)
+        self.stats.accepted += sum(accept_lens)
+        for a in accept_lens:
+            self.stats.hist[min(a, self.k + 1)] += 1
+
+    def summary(self) -> str:
+        s = self.stats
+        rows = max(s.rows, 1)
+        return (f"saguaro[{self.cfg.mode}] rounds={s.rounds} accept_len={s.accepted / rows:.2f} "
+                f"hit_rate={s.hits / rows:.2f} draft_wait_ms={1000 * s.wait_s / max(s.rounds, 1):.1f} "
+                f"fallback_rows={s.fallback_rows} errors={s.errors} accept_hist={s.hist}")

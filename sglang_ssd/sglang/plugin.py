@@ -1,0 +1,35 @@
+"""Entry point (group ``sglang.srt.plugins``): registers SAGUARO with SGLang, idempotently.
+
+SGLang calls ``register()`` in every process it starts (launcher, scheduler, detokenizer), then
+applies the hooks registered here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+_registered = False
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.speculative import spec_registry
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from sglang_ssd.sglang import hooks
+    from sglang_ssd.sglang.spec_algo import ALGO_NAME, SaguaroAlgo, validate_server_args, worker_factory
+
+    if spec_registry.get_spec(ALGO_NAME) is None:  # survives a module reload
+        SpeculativeAlgorithm.register(
+            ALGO_NAME, supports_overlap=False, validate_server_args=validate_server_args,
+            spec_class=SaguaroAlgo,
+        )(worker_factory)
+    HookRegistry.register(hooks.ALIAS_TARGET, hooks.validate_before_alias, HookType.AROUND)
+    HookRegistry.register(hooks.TORCH_NATIVE_EXTEND, hooks.torch_native_chain_verify, HookType.AROUND)
+    _registered = True
+    logger.debug("sglang-ssd: registered speculative algorithm %s", ALGO_NAME)

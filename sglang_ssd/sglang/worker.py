@@ -1,0 +1,154 @@
+"""SaguaroWorker: SGLang's speculative worker for SSD (V2 schema, synchronous scheduler).
+
+One decode round, in order (see ``_decode``):
+  1. tell the draft process the outcome of last round's proposal (k accepted, bonus) and get
+     this round's K tokens (a cache hit when the draft predicted the outcome, else its backup);
+  2. verify the chain [root, d_1..d_K] with ONE target forward (TARGET_VERIFY);
+  3. accept exactly (greedy: argmax match; T > 0: rejection sampling against the proposal's
+     true distribution q, residual max(0, p - q));
+  4. hand SGLang accept_lens (incl. the bonus) and the committed tokens.
+While the target runs step 2, the draft (in its own process) pre-computes the next round's
+speculations for the outcomes it expects: that is what takes drafting off the critical path.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from typing import Optional
+
+import torch
+from sglang.srt.managers.schedule_batch import ScheduleBatch
+from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+from sglang.srt.speculative.ngram_info import NgramVerifyInput
+
+from sglang_ssd.config import SaguaroConfig
+from sglang_ssd.saguaro.proposal import dequantize_proposal
+from sglang_ssd.saguaro.target_dist import is_greedy, target_probs
+from sglang_ssd.saguaro.verify import verify_chain
+from sglang_ssd.sglang.draft_link import DraftLink
+from sglang_ssd.sglang.verify_input import build_chain_verify_input
+
+logger = logging.getLogger(__name__)
+
+
+class SaguaroWorker(BaseSpecWorker):
+    def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker, **kwargs):
+        super().__init__()
+        self.server_args = server_args
+        self._target_worker = target_worker
+        self._draft_worker = None
+        self.model_runner = target_worker.model_runner
+        self.device = self.model_runner.device
+        self.cfg = SaguaroConfig.from_server_args(server_args)
+        self.k = self.cfg.num_spec_tokens
+        self.n = self.k + 1  # chain width: root + K drafts
+        if self.cfg.target_cpu_core is not None and str(self.device) == "cpu":
+            os.sched_setaffinity(0, {self.cfg.target_cpu_core})
+        self.vocab_size = self.model_runner.model_config.vocab_size
+        eos = getattr(self.model_runner.model_config.hf_config, "eos_token_id", None)
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        self.link = DraftLink(self.cfg, self.vocab_size, eos_ids)
+        atexit.register(self.link.close)
+        seed = server_args.random_seed if server_args.random_seed is not None else 0
+        self.generator = torch.Generator(device=self.device).manual_seed(seed + 7919)
+        logger.info("saguaro worker ready: K=%d mode=%s fan_out=%s", self.k, self.cfg.mode, self.cfg.fan_out)
+
+    @property
+    def draft_worker(self):
+        return None  # the draft lives in its own process
+
+    def alloc_memory_pool(self, **kwargs):
+        self.req_to_token_pool, self.token_to_kv_pool_allocator = self._target_worker.get_memory_pool()
+
+    def clear_cache_pool(self):
+        self.link.release(list(self.link.states))
+
+    def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
+        self.link.release([rid])
+
+    # ---- SGLang entry point -------------------------------------------------------------
+    def forward_batch_generation(self, batch: ScheduleBatch, on_publish=None, grammar_barrier=None,
+                                 pp_proxy_tensors=None) -> GenerationBatchResult:
+        if batch.forward_mode.is_decode():
+            return self._decode(batch, on_publish)
+        return self._prefill(batch, on_publish)
+
+    def _prefill(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
+        """Plain target prefill; the draft learns the prompt lazily at the first decode round."""
+        result = self._target_worker.forward_batch_generation(batch)
+        bs = len(batch.reqs)
+        new_seq_lens = batch.seq_lens.clone()  # the sampled token has no KV yet
+        accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        return GenerationBatchResult(
+            logits_output=result.logits_output, next_token_ids=result.next_token_ids,
+            can_run_cuda_graph=result.can_run_cuda_graph, accept_lens=accept_lens,
+            new_seq_lens=new_seq_lens, next_draft_input=self._carry(result.next_token_ids[:, None], accept_lens, new_seq_lens),
+            speculative_num_draft_tokens=self.n,
+        )
+
+    def _decode(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
+        reqs, bs, n = batch.reqs, len(batch.reqs), self.n
+        info = batch.sampling_info
+        temps = info.temperatures.reshape(-1).float()
+        greedy = is_greedy(temps, info.top_ks.reshape(-1))
+        draft_temps = torch.where(greedy, torch.zeros_like(temps), temps)
+
+        # 1. last round's outcome -> draft; this round's drafts <- draft (hit or backup)
+        prop = self.link.speculate(reqs, draft_temps.tolist())
+
+        # 2. one target forward over the chain [root, d_1..d_K] per request
+        root = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64)
+        chain = torch.cat([root[:, None], prop.tokens], dim=1).to(self.device)
+        seq_lens = batch.seq_lens
+        cols = seq_lens.to(torch.int64)[:, None] + torch.arange(n, device=self.device)
+        # the scheduler pre-allocated and registered these n slots per request (alloc_for_spec_decode)
+        batch.out_cache_loc = self.req_to_token_pool.req_to_token[batch.req_pool_indices[:, None], cols].reshape(-1).to(torch.int64)
+        batch.input_ids = chain.reshape(-1)
+        batch.spec_info = build_chain_verify_input(chain, seq_lens)
+        batch.forward_mode = ForwardMode.TARGET_VERIFY
+        result = self._target_worker.forward_batch_generation(batch, is_verify=True)
+        logits = result.logits_output.next_token_logits[:, : self.vocab_size].float().view(bs, n, -1)
+
+        # 3. exact acceptance
+        rep = lambda t: t.reshape(-1)[:, None].expand(bs, n).reshape(-1)  # per-request -> per-position
+        p = target_probs(logits.reshape(bs * n, -1), rep(temps), rep(info.top_ps.float()),
+                         rep(info.top_ks), rep(info.min_ps.float())).view(bs, n, -1)
+        q = dequantize_proposal(prop.q16).to(self.device) if prop.q16 is not None else None
+        accept_lens, out_tokens = verify_chain(
+            p, prop.tokens.to(self.device), q, greedy.to(self.device),
+            target_argmax=logits.argmax(dim=-1), generator=self.generator,
+            max_accept=prop.max_accept.to(self.device), q_valid=prop.q_valid.to(self.device),
+        )
+        accept_lens = accept_lens.to(torch.int32)
+        self.link.record(accept_lens.tolist())
+        if self.link.stats.rounds % self.cfg.stats_interval == 0:
+            logger.info(self.link.summary())
+
+        # 4. results in SGLang's conventions: KV of root + accepted drafts is committed in place
+        # (a chain's accepted tokens already sit in the first accept_len slots of the window)
+        new_seq_lens = seq_lens + accept_lens
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        batch.forward_mode = ForwardMode.DECODE
+        next_ids = torch.where(torch.arange(n, device=self.device)[None, :] < accept_lens[:, None].long(),
+                               out_tokens, torch.zeros_like(out_tokens)).reshape(-1)
+        return GenerationBatchResult(
+            logits_output=result.logits_output, next_token_ids=next_ids, can_run_cuda_graph=False,
+            accept_lens=accept_lens, new_seq_lens=new_seq_lens,
+            next_draft_input=self._carry(out_tokens, accept_lens, new_seq_lens),
+            speculative_num_draft_tokens=n,
+        )
+
+    def _carry(self, tokens: torch.Tensor, accept_lens: torch.Tensor, new_seq_lens: torch.Tensor):
+        """What the scheduler keeps on the batch between rounds (filtered/merged with it)."""
+        bs = tokens.shape[0]
+        padded = torch.zeros(bs, self.n, dtype=torch.int64, device=self.device)
+        padded[:, : tokens.shape[1]] = tokens
+        return NgramVerifyInput(draft_token_num=self.n, new_seq_lens=new_seq_lens,
+                                accept_tokens=padded.reshape(-1), accept_lens=accept_lens)

@@ -1,0 +1,23 @@
+import os
+
+import pytest
+
+from sglang_ssd import paths
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+
+def _prepared(path: str) -> str:
+    if not paths.is_prepared(path):
+        pytest.fail(f"{path} is not prepared: run `python scripts/prepare_models.py` (scripts/test.sh does)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def target_path() -> str:
+    return _prepared(paths.target_path())
+
+
+@pytest.fixture(scope="session")
+def draft_path() -> str:
+    return _prepared(paths.draft_path())

@@ -1,0 +1,107 @@
+"""Plugin discovery, registration and launch-time validation, in fresh processes like SGLang's own."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from sglang_ssd.config import SaguaroConfig, SaguaroConfigError
+
+PROBE = textwrap.dedent("""
+    import json, os, sys
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang_ssd.sglang import plugin
+    plugin.register(); plugin._registered = False; plugin.register()   # idempotent, even re-entered
+    algo = SpeculativeAlgorithm.from_string("saguaro")
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.arg_groups.overrides import resolving_view
+    out = {"class": type(algo).__module__ + "." + type(algo).__qualname__,
+           "same": algo is SpeculativeAlgorithm.from_string("SAGUARO"),
+           "need_topk": algo.need_topk(), "hidden": algo.carries_draft_hidden_states(),
+           "draft_kv": algo.has_draft_kv(), "cases": []}
+    for case in json.loads(sys.argv[1]):
+        os.environ.pop("SGLANG_SSD_CONFIG", None)
+        if case.get("env"):
+            os.environ["SGLANG_SSD_CONFIG"] = case["env"]
+        try:
+            sa = prepare_server_args(["--model-path", sys.argv[2], "--device", "cpu"] + case["args"])
+            sa.resolve_once()
+            v = resolving_view(sa)
+            out["cases"].append({"ok": [v.speculative_algorithm, v.speculative_num_steps,
+                                        v.speculative_num_draft_tokens, v.speculative_eagle_topk,
+                                        v.disable_overlap_schedule, v.max_running_requests]})
+        except Exception as exc:
+            out["cases"].append({"error": f"{type(exc).__name__}: {exc}"})
+    print("RESULT " + json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def probe(target_path, draft_path, tmp_path_factory):
+    bad_vocab = tmp_path_factory.mktemp("bad_vocab")
+    cfg = json.load(open(os.path.join(draft_path, "config.json")))
+    cfg["vocab_size"] = 1234
+    json.dump(cfg, open(bad_vocab / "config.json", "w"))
+    (bad_vocab / "model.safetensors").write_bytes(b"")
+    draft = ["--speculative-draft-model-path", draft_path]
+    cases = [
+        {"args": ["--speculative-algorithm", "saguaro"] + draft},
+        {"args": ["--speculative-algorithm", "SaGuArO", "--speculative-num-steps", "3"] + draft},
+        {"args": ["--speculative-algorithm", "saguaro"]},
+        {"args": ["--speculative-algorithm", "saguaro", "--speculative-draft-model-path", "/no/such/dir"]},
+        {"args": ["--speculative-algorithm", "saguaro", "--speculative-num-draft-tokens", "9"] + draft},
+        {"args": ["--speculative-algorithm", "saguaro", "--speculative-num-steps", "40"] + draft},
+        {"args": ["--speculative-algorithm", "saguaro"] + draft, "env": '{"mode": "turbo"}'},
+        {"args": ["--speculative-algorithm", "saguaro"] + draft, "env": '{"fan_out": [1, 2]}'},
+        {"args": ["--speculative-algorithm", "saguaro", "--speculative-draft-model-path", str(bad_vocab)]},
+    ]
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1")
+    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(cases), target_path],
+                          capture_output=True, text=True, timeout=600, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_entry_point_discovered_and_idempotent(probe):
+    assert probe["class"] == "sglang_ssd.sglang.spec_algo.SaguaroAlgo"
+    assert probe["same"] is True
+    assert probe["need_topk"] is False and probe["hidden"] is False and probe["draft_kv"] is False
+
+
+def test_server_args_defaults(probe):
+    assert probe["cases"][0] == {"ok": ["SAGUARO", 4, 5, 1, True, 48]}
+    assert probe["cases"][1] == {"ok": ["SAGUARO", 3, 4, 1, True, 48]}
+
+
+@pytest.mark.parametrize("i,needle", [
+    (2, "--speculative-draft-model-path"),
+    (3, "--speculative-draft-model-path: '/no/such/dir' is not a directory"),
+    (4, "--speculative-num-draft-tokens must be K+1 = 5"),
+    (5, "--speculative-num-steps must be an integer in [1, 16]"),
+    (6, "SGLANG_SSD_CONFIG key 'mode'"),
+    (7, "SGLANG_SSD_CONFIG key 'fan_out'"),
+    (8, "draft vocab_size 1234 differs from the target's 49152"),
+])
+def test_bad_settings_fail_with_clear_message(probe, i, needle):
+    err = probe["cases"][i].get("error", "")
+    assert "SaguaroConfigError" in err and needle in err, err
+
+
+def test_config_dataclass(draft_path, tmp_path):
+    cfg = SaguaroConfig.from_sources(draft_path, 3, env={"SGLANG_SSD_CONFIG": '{"fan_out": 2, "mode": "sync"}'})
+    assert cfg.fan_out == [2, 2, 2, 2] and cfg.budget == 8 and cfg.mode == "sync"
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"fan_out": [4, 3, 2, 1, 1]}))
+    assert SaguaroConfig.from_sources(draft_path, 4, env={"SGLANG_SSD_CONFIG": str(path)}).fan_out == [4, 3, 2, 1, 1]
+    for env, key in [('{"nope": 1}', "unknown key"), ("[1]", "JSON object"), ("{bad", "not valid JSON"),
+                     ('{"draft_endpoint": "http://x"}', "draft_endpoint"), ('{"fan_out": 0}', "at least one"),
+                     ('{"draft_timeout_s": -1}', "draft_timeout_s")]:
+        with pytest.raises(SaguaroConfigError, match=key):
+            SaguaroConfig.from_sources(draft_path, 4, env={"SGLANG_SSD_CONFIG": env})

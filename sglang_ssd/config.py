@@ -11,7 +11,10 @@ K (drafts per round)   ``--speculative-num-steps``                 4
 fan_out (per depth)    ``SGLANG_SSD_CONFIG["fan_out"]``            3 (uniform; B = F*(K+1))
 mode                   ``SGLANG_SSD_CONFIG["mode"]``               "async" (SSD); "sync" = SD
 draft_device           ``SGLANG_SSD_CONFIG["draft_device"]``       "cpu" / "cuda:1" on GPU
-draft_endpoint         ``SGLANG_SSD_CONFIG["draft_endpoint"]``     null = spawn a draft process
+draft_endpoint         ``SGLANG_SSD_CONFIG["draft_endpoint"]``     null = a fresh ipc:// path
+spawn_draft            ``SGLANG_SSD_CONFIG["spawn_draft"]``        true: start the draft process
+                                                                   bound to draft_endpoint; false:
+                                                                   connect to a running one there
 draft_dtype            ``SGLANG_SSD_CONFIG["draft_dtype"]``        "float32"
 draft_cpu_core         ``SGLANG_SSD_CONFIG["draft_cpu_core"]``     last core (CPU draft)
 target_cpu_core        ``SGLANG_SSD_CONFIG["target_cpu_core"]``    null (no pinning)
@@ -19,6 +22,7 @@ draft_threads          ``SGLANG_SSD_CONFIG["draft_threads"]``      1
 draft_timeout_s        ``SGLANG_SSD_CONFIG["draft_timeout_s"]``    60
 startup_timeout_s      ``SGLANG_SSD_CONFIG["startup_timeout_s"]``  120
 stats_interval         ``SGLANG_SSD_CONFIG["stats_interval"]``     50 rounds between log lines
+stats_file             ``SGLANG_SSD_CONFIG["stats_file"]``         null; else JSON stats, every round
 =====================  ==========================================  =========================
 
 Every error names the flag or key at fault.
@@ -51,6 +55,7 @@ class SaguaroConfig:
     mode: str = "async"
     draft_device: str = "cpu"
     draft_endpoint: Optional[str] = None
+    spawn_draft: bool = True
     draft_dtype: str = "float32"
     draft_cpu_core: Optional[int] = None
     target_cpu_core: Optional[int] = None
@@ -58,6 +63,7 @@ class SaguaroConfig:
     draft_timeout_s: float = 60.0
     startup_timeout_s: float = 120.0
     stats_interval: int = 50
+    stats_file: Optional[str] = None
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -100,6 +106,11 @@ class SaguaroConfig:
         if self.draft_endpoint is not None and not str(self.draft_endpoint).startswith(("ipc://", "tcp://")):
             raise SaguaroConfigError(
                 f"{ENV_VAR} key 'draft_endpoint' must be an ipc:// or tcp:// address, got {self.draft_endpoint!r}")
+        if not isinstance(self.spawn_draft, bool):
+            raise SaguaroConfigError(f"{ENV_VAR} key 'spawn_draft' must be true or false")
+        if not self.spawn_draft and self.draft_endpoint is None:
+            raise SaguaroConfigError(f"{ENV_VAR}: 'spawn_draft' false needs 'draft_endpoint' (where the "
+                                     "draft process listens; start it with python -m sglang_ssd.draft)")
         for key in ("draft_cpu_core", "target_cpu_core"):
             v = getattr(self, key)
             if v is not None and (not isinstance(v, int) or v < 0):

@@ -26,8 +26,11 @@ def test_sglang_greedy_equals_hf(target_path, hf, tmp_path):
     expected = []
     with torch.no_grad():
         for ids in prompts:
-            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 eos_token_id=None, pad_token_id=tok.eos_token_id)
+            x = torch.tensor([ids])
+            # explicit attention mask: without it HF infers padding from pad_token_id (= <|im_end|>,
+            # which chat prompts contain) once eos_token_id is None, and masks real tokens
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS,
+                                 do_sample=False, eos_token_id=None, pad_token_id=tok.eos_token_id)
             expected.append(out[0, len(ids):].tolist())
     with SGLangServer(target_path, ["--dtype", "float32"], log_path=str(tmp_path / "server.log")) as srv:
         outs = srv.generate(input_ids=prompts, sampling_params={

@@ -9,6 +9,7 @@ restarted (or reconnected) with backoff and live requests are re-prefilled lazil
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -74,7 +75,7 @@ class DraftLink:
         self._next_retry = 0.0
         self._backoff = 1.0
         self.endpoint = cfg.draft_endpoint or f"ipc://{tempfile.gettempdir()}/sglang-ssd-{uuid.uuid4().hex[:12]}.sock"
-        self.spawn = cfg.draft_endpoint is None or os.environ.get("SGLANG_SSD_SPAWN_DRAFT") == "1"
+        self.spawn = cfg.spawn_draft
         self._connect(startup=True)
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -179,11 +180,15 @@ class DraftLink:
             tokens = torch.as_tensor(reply.tokens, dtype=torch.int64).reshape(bs, self.k)
             if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size:
                 raise ValueError("draft proposed token ids outside the vocabulary")
-            q_valid = torch.as_tensor(reply.q_rows, dtype=torch.bool).reshape(bs)
+            q_rows = torch.as_tensor(reply.q_rows, dtype=torch.int64)
+            q_valid = torch.zeros(bs, dtype=torch.bool)
+            q_valid[q_rows] = True
             q16 = None
-            if bool(q_valid.any()):
+            if q_rows.numel():
+                if tuple(reply.q.shape) != (q_rows.numel(), self.k, self.vocab_size):
+                    raise ValueError(f"draft sent q of shape {tuple(reply.q.shape)}")
                 q16 = torch.zeros(bs, self.k, self.vocab_size, dtype=torch.float16)
-                q16[q_valid] = torch.as_tensor(reply.q).reshape(-1, self.k, self.vocab_size)
+                q16[q_rows] = torch.from_numpy(reply.q)
             for r, row in zip(reqs, tokens.tolist()):
                 self.states[r.rid] = _ReqState(spec=row, known_len=len(r.origin_input_ids) + len(r.output_ids))
             hit = torch.as_tensor(reply.hit, dtype=torch.bool).reshape(bs)
@@ -235,6 +240,20 @@ class DraftLink:
         self.stats.accepted += sum(accept_lens)
         for a in accept_lens:
             self.stats.hist[min(a, self.k + 1)] += 1
+
+    def as_dict(self) -> dict:
+        s = self.stats
+        rows = max(s.rows, 1)
+        return {"mode": self.cfg.mode, "k": self.k, "fan_out": self.cfg.fan_out, "rounds": s.rounds,
+                "rows": s.rows, "hits": s.hits, "hit_rate": s.hits / rows, "accept_len": s.accepted / rows,
+                "draft_wait_ms": 1000 * s.wait_s / max(s.rounds, 1), "fallback_rows": s.fallback_rows,
+                "errors": s.errors, "restarts": s.restarts, "accept_hist": s.hist}
+
+    def write_stats(self, path: str) -> None:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(self.as_dict(), fh)
+        os.replace(tmp, path)
 
     def summary(self) -> str:
         s = self.stats

@@ -113,7 +113,8 @@ class SaguaroWorker(BaseSpecWorker):
         batch.spec_info = build_chain_verify_input(chain, seq_lens)
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         result = self._target_worker.forward_batch_generation(batch, is_verify=True)
-        logits = result.logits_output.next_token_logits[:, : self.vocab_size].float().view(bs, n, -1)
+        logits = self._adjust_logits(result.logits_output.next_token_logits, info)[:, : self.vocab_size]
+        logits = logits.float().view(bs, n, -1)
 
         # 3. exact acceptance
         rep = lambda t: t.reshape(-1)[:, None].expand(bs, n).reshape(-1)  # per-request -> per-position
@@ -129,6 +130,8 @@ class SaguaroWorker(BaseSpecWorker):
         self.link.record(accept_lens.tolist())
         if self.link.stats.rounds % self.cfg.stats_interval == 0:
             logger.info(self.link.summary())
+        if self.cfg.stats_file:
+            self.link.write_stats(self.cfg.stats_file)
 
         # 4. results in SGLang's conventions: KV of root + accepted drafts is committed in place
         # (a chain's accepted tokens already sit in the first accept_len slots of the window)
@@ -144,6 +147,21 @@ class SaguaroWorker(BaseSpecWorker):
             next_draft_input=self._carry(out_tokens, accept_lens, new_seq_lens),
             speculative_num_draft_tokens=n,
         )
+
+    def _adjust_logits(self, logits: torch.Tensor, info) -> torch.Tensor:
+        """Penalties and logit_bias, applied to all n positions of a request the way SGLang's own
+        speculative verifiers do (its "relaxed" penalties: state as of the round's start)."""
+        n = self.n
+        if getattr(info, "acc_additive_penalties", None) is not None:
+            logits = logits + torch.repeat_interleave(info.acc_additive_penalties, n, dim=0)
+        if getattr(info, "acc_scaling_penalties", None) is not None:
+            from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
+
+            logits = logits.clone()
+            apply_scaling_penalties(logits, torch.repeat_interleave(info.acc_scaling_penalties, n, dim=0))
+        if getattr(info, "logit_bias", None) is not None:
+            logits = logits + torch.repeat_interleave(info.logit_bias, n, dim=0)
+        return logits
 
     def _carry(self, tokens: torch.Tensor, accept_lens: torch.Tensor, new_seq_lens: torch.Tensor):
         """What the scheduler keeps on the batch between rounds (filtered/merged with it)."""

@@ -1,0 +1,127 @@
+"""DraftClient: the SGLang worker's handle on the draft process (DEALER socket, blocking calls).
+
+Every request carries a fresh ``req_id``; a reply is accepted only if it echoes it, so a call that
+timed out never desynchronises the socket (its late reply is discarded by the next call).
+Not thread-safe: use one client per thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+import uuid
+from typing import Optional, Sequence
+
+import zmq
+
+from sglang_ssd.protocol import (MAX_FRAME_BYTES, PROTOCOL_VERSION, Ack, ErrorReply, Health, HealthReply,
+                                 Hello, HelloReply, Message, Prefill, ProtocolError, Release, Shutdown,
+                                 Speculate, SpecReply, decode, peek_req_id)
+
+logger = logging.getLogger(__name__)
+
+
+class DraftTimeout(TimeoutError):
+    """No reply with the request's id arrived in time."""
+
+
+class DraftError(RuntimeError):
+    """The draft rejected the request (ErrorReply); nothing was changed on its side."""
+
+    def __init__(self, message: str, rids: Sequence[str] = ()):
+        super().__init__(message)
+        self.message, self.rids = message, list(rids)
+
+
+class DraftClient:
+    def __init__(self, endpoint: str, timeout_s: float = 60.0, context: Optional[zmq.Context] = None):
+        self.endpoint, self.timeout_s = endpoint, timeout_s
+        self.ctx = context or zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + (1 << 20))
+        self.sock.connect(endpoint)
+        # start ids at a random offset so a restarted client never reuses a live id
+        self._ids = itertools.count(int.from_bytes(os.urandom(3), "little") << 20)
+        self.client_id = uuid.uuid4().hex
+        self.discarded = 0
+
+    # ---------------------------------------------------------------------------- low level
+    def send(self, msg: Message) -> int:
+        msg.req_id = next(self._ids)
+        self.sock.send_multipart(msg.encode(), copy=False)
+        return msg.req_id
+
+    def recv(self, req_id: int, timeout_s: Optional[float] = None) -> Message:
+        """Wait for the reply to `req_id`; replies to other (timed-out) ids are discarded."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1e3)
+            if left_ms <= 0 or not self.sock.poll(left_ms):
+                raise DraftTimeout(f"no reply to request {req_id} from {self.endpoint} within "
+                                   f"{self.timeout_s if timeout_s is None else timeout_s} s")
+            frames = [f.buffer for f in self.sock.recv_multipart(copy=False)]
+            try:
+                msg = decode(frames)
+            except ProtocolError:
+                if peek_req_id(frames) == req_id:
+                    raise
+                self.discarded += 1
+                logger.warning("discarded an undecodable reply not addressed to request %d", req_id)
+                continue
+            if msg.req_id == req_id:
+                return msg
+            self.discarded += 1
+            logger.debug("discarded late %s for request %d (waiting for %d)", msg.TYPE, msg.req_id, req_id)
+
+    def request(self, msg: Message, expect: type[Message], timeout_s: Optional[float] = None) -> Message:
+        reply = self.recv(self.send(msg), timeout_s)
+        if isinstance(reply, ErrorReply):
+            raise DraftError(reply.message, reply.rids)
+        if not isinstance(reply, expect):
+            raise ProtocolError(f"expected {expect.TYPE} in reply to {msg.TYPE}, got {reply.TYPE}")
+        return reply
+
+    # ------------------------------------------------------------------------------- calls
+    def hello(self, k: int, mode: str, fan_out: Sequence[int], vocab_size: int,
+              eos_ids: Sequence[int] = (), fan_out_miss: Optional[Sequence[int]] = None,
+              client_id: Optional[str] = None, timeout_s: Optional[float] = None) -> HelloReply:
+        msg = Hello(PROTOCOL_VERSION, client_id or self.client_id, k, mode, list(fan_out), vocab_size,
+                    list(eos_ids), None if fan_out_miss is None else list(fan_out_miss))
+        return self.request(msg, HelloReply, timeout_s)
+
+    def prefill(self, rids: Sequence[str], prompts: Sequence[Sequence[int]],
+                temperatures: Sequence[float], timeout_s: Optional[float] = None) -> Ack:
+        msg = Prefill(list(rids), [list(p) for p in prompts], [float(t) for t in temperatures])
+        return self.request(msg, Ack, timeout_s)
+
+    def speculate(self, round_id: int, rids: Sequence[str], ks: Sequence[int], bonuses: Sequence[int],
+                  temperatures: Sequence[float], timeout_s: Optional[float] = None) -> SpecReply:
+        msg = Speculate(round_id, list(rids), [int(k) for k in ks], [int(b) for b in bonuses],
+                        [float(t) for t in temperatures])
+        reply = self.request(msg, SpecReply, timeout_s)
+        if reply.round_id != round_id or reply.tokens.shape[0] != len(rids):
+            raise ProtocolError(f"reply to round {round_id} has round {reply.round_id} / "
+                                f"{reply.tokens.shape[0]} rows for {len(rids)}")
+        return reply
+
+    def release(self, rids: Sequence[str], timeout_s: Optional[float] = None) -> Ack:
+        return self.request(Release(list(rids)), Ack, timeout_s)
+
+    def health(self, timeout_s: Optional[float] = None) -> dict[str, float]:
+        return self.request(Health(), HealthReply, timeout_s).stats
+
+    def shutdown(self, timeout_s: Optional[float] = None) -> Ack:
+        return self.request(Shutdown(), Ack, timeout_s)
+
+    def close(self) -> None:
+        if not self.sock.closed:
+            self.sock.close(0)
+
+    def __enter__(self) -> "DraftClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,356 @@
+"""DraftEngine: the SSD draft's state machine (no sockets here; server.py feeds it messages).
+
+Speculate = ANSWER FIRST (cache hit, or a just-in-time "backup" decode for missed rows), then -- in
+async mode, after the reply has left -- ``build_cache`` pre-computes the next round for every likely
+outcome: one glue forward over [root, s_1..s_K], top-fan_out bonus guesses per glue index (the token
+already proposed there excluded), K batched tree forwards, one entry per (rid, j, guess).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from sglang_ssd.draft.runner import DraftRunner, ForwardItem
+from sglang_ssd.draft.sampling import sample_rows
+from sglang_ssd.draft.spec_cache import SpecCache
+from sglang_ssd.draft.state import RequestState
+from sglang_ssd.draft.tree import fork_indices, tree_kv_len, tree_mask, tree_positions, tree_slots
+from sglang_ssd.protocol import (PROTOCOL_VERSION, Ack, Hello, HelloReply, Prefill, Release,
+                                 Speculate, SpecReply)
+
+logger = logging.getLogger(__name__)
+
+PREFILL_CHUNK = 1024   # tokens per request per prefill forward
+
+
+class EngineError(Exception):
+    """A rejected request (nothing was changed); becomes an ErrorReply."""
+
+    def __init__(self, message: str, rids: Sequence[str] = ()):
+        super().__init__(message)
+        self.message, self.rids = message, list(rids)
+
+
+@dataclass
+class Session:
+    client_id: str
+    k: int
+    mode: str
+    fan_out: list[int]
+    fan_out_miss: list[int]
+    vocab_size: int
+    eos_ids: list[int]
+
+
+@dataclass
+class Stats:
+    rounds: int = 0
+    rows: int = 0
+    backup_rows: int = 0
+    builds: int = 0
+    build_ms: float = 0.0
+    glue_ms: float = 0.0
+    tree_ms: float = 0.0
+    answer_ms: float = 0.0
+    backup_ms: float = 0.0
+    last: dict[str, float] = field(default_factory=lambda: {"build_ms": 0.0, "glue_ms": 0.0, "tree_ms": 0.0})
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1e3
+
+
+class DraftEngine:
+    def __init__(self, runner: DraftRunner, seed: int = 0, max_batch: int = 1024):
+        self.runner = runner
+        self.max_batch = max_batch
+        self.session: Optional[Session] = None
+        self.requests: dict[str, RequestState] = {}
+        self.cache = SpecCache()
+        self.gen = torch.Generator(device=runner.device)
+        self.gen.manual_seed(seed)
+        self.pending: list[tuple[RequestState, Optional[torch.Tensor]]] = []
+        self.stats = Stats()
+        self.t_start = time.time()
+
+    # ---------------------------------------------------------------------------------- hello
+    def hello(self, msg: Hello) -> HelloReply:
+        if msg.version != PROTOCOL_VERSION:
+            raise EngineError(f"protocol version {msg.version} != draft's {PROTOCOL_VERSION}")
+        if msg.vocab_size != self.runner.vocab_size:
+            raise EngineError(f"vocab mismatch: target vocab_size {msg.vocab_size} != draft "
+                              f"{self.runner.vocab_size}; the draft must share the target's vocabulary")
+        new = Session(msg.client_id, msg.k, msg.mode, list(msg.fan_out),
+                      list(msg.fan_out_miss if msg.fan_out_miss is not None else msg.fan_out),
+                      msg.vocab_size, list(msg.eos_ids))
+        if new != self.session:
+            if self.requests:
+                logger.warning("new session (client %s, K=%d, %s, fan_out %s): dropping %d live requests",
+                               new.client_id, new.k, new.mode, new.fan_out, len(self.requests))
+            self.reset()
+            self.session = new
+            logger.info("session: client %s K=%d mode=%s fan_out=%s fan_out_miss=%s", new.client_id,
+                        new.k, new.mode, new.fan_out, new.fan_out_miss)
+        return HelloReply(version=PROTOCOL_VERSION, draft_vocab_size=self.runner.vocab_size,
+                          draft_model_name=self.runner.cfg.name[:4096], pid=os.getpid(),
+                          device=str(self.runner.device), dtype=str(self.runner.dtype).replace("torch.", ""),
+                          max_batch=self.max_batch)
+
+    def reset(self) -> None:
+        self.requests.clear()
+        self.cache.clear()
+        self.pending = []
+
+    def _need_session(self) -> Session:
+        if self.session is None:
+            raise EngineError("no Hello received yet")
+        return self.session
+
+    # -------------------------------------------------------------------------------- prefill
+    def prefill(self, msg: Prefill) -> Ack:
+        s = self._need_session()
+        if len(msg.rids) > self.max_batch:
+            raise EngineError(f"batch of {len(msg.rids)} > max_batch {self.max_batch}")
+        bad = [r for r, p in zip(msg.rids, msg.prompts) if max(p) >= self.runner.vocab_size]
+        if bad:
+            raise EngineError("prompt token id >= vocab size", bad)
+        budget = s.k + 1 + s.k * max(sum(s.fan_out), sum(s.fan_out_miss))
+        states = []
+        for rid, prompt, temp in zip(msg.rids, msg.prompts, msg.temperatures):
+            if rid in self.requests:
+                logger.info("prefill replaces live request %s", rid)
+            self.cache.drop(rid)
+            st = RequestState(rid, list(prompt), self.runner.new_kv(len(prompt) + budget + 1), temp)
+            self.requests[rid] = st
+            states.append(st)
+        # all prompt tokens become committed KV (chunked so one forward stays bounded)
+        for start in range(0, max((len(st.tokens) for st in states), default=0), PREFILL_CHUNK):
+            batch = [st for st in states if len(st.tokens) > start]
+            items = []
+            for st in batch:
+                st.begin_write(start)
+                items.append(ForwardItem.extend(st.kv, st.tokens[start : start + PREFILL_CHUNK], start))
+            self.runner.forward(items)
+            for st, it in zip(batch, items):
+                st.end_write(it.tokens.tolist())
+        return Ack(count=len(states))
+
+    def release(self, msg: Release) -> Ack:
+        gone = [r for r in msg.rids if self.requests.pop(r, None) is not None]
+        for r in msg.rids:
+            self.cache.drop(r)
+        self.pending = [(st, j) for st, j in self.pending if st.rid in self.requests]
+        unknown = sorted(set(msg.rids) - set(gone))
+        return Ack(count=len(gone), message=f"unknown rids ignored: {unknown[:16]}" if unknown else "")
+
+    # ------------------------------------------------------------------------------ speculate
+    def _check_speculate(self, msg: Speculate) -> Session:
+        s = self._need_session()
+        if len(msg.rids) > self.max_batch:
+            raise EngineError(f"batch of {len(msg.rids)} > max_batch {self.max_batch}")
+        unknown = [r for r in msg.rids if r not in self.requests]
+        if unknown:
+            raise EngineError(f"unknown rid(s) {unknown[:8]}", unknown)
+        bad_k = [r for r, k in zip(msg.rids, msg.ks)
+                 if k > s.k or (k >= 0 and self.requests[r].last_spec is None)]
+        if bad_k:
+            raise EngineError(f"k must be -1 or in [0, K={s.k}] and >= 0 only after a speculation", bad_k)
+        bad_b = [r for r, b in zip(msg.rids, msg.bonuses) if b >= self.runner.vocab_size]
+        if bad_b:
+            raise EngineError("bonus token id >= vocab size", bad_b)
+        return s
+
+    def speculate(self, msg: Speculate) -> SpecReply:
+        t0 = time.perf_counter()
+        s = self._check_speculate(msg)
+        n, k_spec = len(msg.rids), s.k
+        states = [self.requests[r] for r in msg.rids]
+        tokens = torch.zeros(n, k_spec, dtype=torch.long)
+        hit = np.zeros(n, dtype=np.bool_)
+        q16: list[Optional[torch.Tensor]] = [None] * n
+        missed = []
+        for i, (st, k, b, t) in enumerate(zip(states, msg.ks, msg.bonuses, msg.temperatures)):
+            st.temperature = t
+            st.advance(k, b)
+            entry = self.cache.take(st.rid, k, b, t) if s.mode == "async" else None
+            if entry is None:
+                missed.append(i)
+            else:
+                hit[i] = True
+                tokens[i] = entry.tokens.cpu()
+                q16[i] = entry.q16
+        jit_logits: dict[int, torch.Tensor] = {}
+        t_b = time.perf_counter()
+        if missed:
+            toks, qs, raw = self._decode_backup([states[i] for i in missed], keep_logits=s.mode == "async")
+            for r, i in enumerate(missed):
+                tokens[i] = toks[r]
+                q16[i] = None if qs is None or msg.temperatures[i] <= 0 else qs[r]
+                if raw is not None:
+                    jit_logits[i] = raw[r]
+        backup_ms = _ms(t_b) if missed else 0.0
+        for i, st in enumerate(states):
+            st.last_spec, st.last_hit = tokens[i].tolist(), bool(hit[i])
+        if s.mode == "async":
+            self.pending = [(st, jit_logits.get(i)) for i, st in enumerate(states)]
+        q_rows = [i for i in range(n) if msg.temperatures[i] > 0]
+        v = self.runner.vocab_size
+        q = (torch.stack([q16[i] for i in q_rows]).cpu().numpy() if q_rows
+             else np.zeros((0, k_spec, v), dtype=np.float16))
+        st_ = self.stats
+        st_.rounds += 1
+        st_.rows += n
+        st_.backup_rows += len(missed)
+        st_.backup_ms += backup_ms
+        answer_ms = _ms(t0)
+        st_.answer_ms += answer_ms
+        return SpecReply(round_id=msg.round_id, tokens=tokens.numpy(), hit=hit,
+                         q_rows=np.asarray(q_rows, dtype=np.int64), q=q, answer_ms=answer_ms,
+                         backup_ms=backup_ms, **st_.last)
+
+    def _decode_backup(self, states: Sequence[RequestState], keep_logits: bool = True):
+        """Just-in-time K-token decode from each state's context, batched across rows.
+
+        -> tokens [m, K], q16 [m, K, V] or None, raw logits [m, K, V] (reused as glue rows 0..K-1;
+        None unless keep_logits)."""
+        k_spec = self.session.k
+        m, v = len(states), self.runner.vocab_size
+        temps = [st.temperature for st in states]
+        toks = torch.zeros(m, k_spec, dtype=torch.long)
+        raw = torch.zeros(m, k_spec, v, dtype=torch.float32, device=self.runner.device) if keep_logits else None
+        q16 = None
+        items = []
+        for st in states:  # step 0 catches up: every context token without valid KV, root included
+            start = min(st.kv_valid, st.root_slot)
+            st.begin_write(start)
+            items.append(ForwardItem.extend(st.kv, st.tokens[start:], start))
+        for t in range(k_spec):
+            logits = torch.cat(self.runner.forward(items))
+            for st, it in zip(states, items):
+                st.end_write(it.tokens.tolist())
+            tok, q = sample_rows(logits, temps, self.gen)
+            toks[:, t] = tok.cpu()
+            if raw is not None:
+                raw[:, t] = logits
+            if q is not None:
+                if q16 is None:
+                    q16 = torch.zeros(m, k_spec, v, dtype=torch.float16, device=q.device)
+                q16[:, t] = q
+            if t + 1 < k_spec:  # feed s_{t+1} at slot root + t + 1
+                items = []
+                for st, x in zip(states, tok.tolist()):
+                    slot = st.root_slot + t + 1
+                    st.begin_write(slot)
+                    items.append(ForwardItem.extend(st.kv, [x], slot))
+        return toks, q16, raw
+
+    # ---------------------------------------------------------------------------- cache build
+    def build_cache(self) -> None:
+        """Async mode, after the reply: pre-compute the next round for the likely outcomes."""
+        pending, self.pending = self.pending, []
+        if not pending or self.session is None:
+            return
+        s = self.session
+        k_spec = s.k
+        t0 = time.perf_counter()
+        # (a) GLUE: KV + logits for [root, s_1..s_K] at slots/positions P..P+K
+        items, reuse = [], []
+        for st, jit in pending:
+            p = st.root_slot
+            seq = st.tokens + st.last_spec
+            valid = st.valid_prefix(seq)
+            if jit is not None and valid >= p + k_spec:  # backup decode already ran root..s_{K-1}
+                start, n_logits = p + k_spec, 1
+            else:
+                jit, start, n_logits = None, min(valid, p), k_spec + 1
+            st.begin_write(start)
+            items.append(ForwardItem.extend(st.kv, seq[start:], start, n_logits))
+            reuse.append(jit)
+        outs = self.runner.forward(items)
+        glue = []
+        for (st, _), it, jit, out in zip(pending, items, reuse, outs):
+            st.end_write(it.tokens.tolist())
+            glue.append(out if jit is None else torch.cat([jit, out]))  # [K+1, V]
+        t_glue = _ms(t0)
+
+        # (b) FORKS: top-fan_out[j] raw-logit tokens at glue row j, s_{j+1} excluded for j < K
+        plans = []
+        for (st, _), z in zip(pending, glue):
+            fan = s.fan_out if st.last_hit else s.fan_out_miss
+            fan = [min(f, self.runner.vocab_size - (1 if j < k_spec else 0)) for j, f in enumerate(fan)]
+            if sum(fan) == 0:
+                continue
+            z = z.clone()
+            z[torch.arange(k_spec), torch.as_tensor(st.last_spec, device=z.device)] = -torch.inf
+            top = torch.topk(z, max(fan), dim=-1).indices.cpu()            # [K+1, maxF]
+            guesses = torch.cat([top[j, :f] for j, f in enumerate(fan)])   # fork-index-major
+            plans.append((st, fork_indices(fan), guesses))
+
+        # (c) TREE: K depths, one batched forward per depth over all branches of all requests
+        t1 = time.perf_counter()
+        results = self._decode_tree(plans, k_spec)
+
+        # (d) STORE: cache[(rid, j, guess)] = (K tokens, q16)
+        for (st, forks, guesses), (toks, q16) in zip(plans, results):
+            self.cache.put(st.rid, list(zip(forks, guesses.tolist())), toks, q16, st.temperature)
+        t_tree, total = _ms(t1), _ms(t0)
+        self.stats.builds += 1
+        self.stats.build_ms += total
+        self.stats.glue_ms += t_glue
+        self.stats.tree_ms += t_tree
+        self.stats.last = {"build_ms": total, "glue_ms": t_glue, "tree_ms": t_tree}
+
+    def _decode_tree(self, plans, k_spec: int) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        if not plans:
+            return []
+        v = self.runner.vocab_size
+        inputs = [g for _, _, g in plans]
+        toks = [torch.zeros(len(g), k_spec, dtype=torch.long) for g in inputs]
+        q16s: list[Optional[torch.Tensor]] = [
+            torch.zeros(len(g), k_spec, v, dtype=torch.float16, device=self.runner.device)
+            if st.temperature > 0 else None for (st, _, g) in plans]
+        temps = torch.cat([torch.full((len(g),), st.temperature) for st, _, g in plans])
+        sizes = [len(g) for g in inputs]
+        for d in range(k_spec):
+            items = []
+            for (st, forks, _), x in zip(plans, inputs):
+                p, b = st.root_slot, len(forks)
+                items.append(ForwardItem(st.kv, x, tree_positions(p, forks, d), tree_slots(p, k_spec, b, d),
+                                         tree_kv_len(p, k_spec, b, d), tree_mask(p, k_spec, forks, d), b))
+            logits = torch.cat(self.runner.forward(items))
+            tok, q = sample_rows(logits, temps, self.gen)
+            inputs = list(torch.split(tok.cpu(), sizes))
+            qs = torch.split(q, sizes) if q is not None else [None] * len(plans)
+            for r in range(len(plans)):
+                toks[r][:, d] = inputs[r]
+                if q16s[r] is not None:
+                    q16s[r][:, d] = qs[r]
+        return list(zip(toks, q16s))
+
+    # ---------------------------------------------------------------------------------- stats
+    def health(self) -> dict[str, float]:
+        st, c = self.stats, self.cache.total
+        builds = max(st.builds, 1)
+        return {
+            "uptime_s": time.time() - self.t_start,
+            "rounds": st.rounds, "rows": st.rows, "hits": c.hits, "misses": c.misses,
+            "forced_misses": c.forced_misses, "hit_rate": c.hits / max(c.lookups, 1),
+            "backup_rows": st.backup_rows, "live_requests": len(self.requests),
+            "kv_tokens": sum(r.kv_valid for r in self.requests.values()),
+            "kv_bytes": sum(r.kv.nbytes() for r in self.requests.values()),
+            "cache_entries": self.cache.num_entries(), "cache_bytes": self.cache.nbytes(),
+            "builds": st.builds, "avg_build_ms": st.build_ms / builds, "avg_glue_ms": st.glue_ms / builds,
+            "avg_tree_ms": st.tree_ms / builds, "last_build_ms": st.last["build_ms"],
+            "avg_answer_ms": st.answer_ms / max(st.rounds, 1),
+            "avg_backup_ms": st.backup_ms / max(st.rounds, 1),
+            "forward_calls": self.runner.forward_calls, "forward_tokens": self.runner.forward_tokens,
+            "k": self.session.k if self.session else 0,
+            "async": int(bool(self.session and self.session.mode == "async")),
+        }

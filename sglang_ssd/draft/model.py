@@ -1,0 +1,170 @@
+"""A minimal Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3) in plain torch.
+
+Token-flat layout: every forward takes T tokens of possibly many requests, ``positions`` [T] for
+RoPE, and an attention callable that owns KV caching and masking (see attention.py).  Parameter
+names mirror Hugging Face so a safetensors checkpoint loads with ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from sglang_ssd.draft.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+# attn(layer, q [T, H, hd], k [T, Hkv, hd], v [T, Hkv, hd]) -> [T, H, hd]
+AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # y = w * x / sqrt(mean(x^2) + eps), statistics in float32 (as transformers does)
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [T, H, d]; cos/sin [T, d] -> rotate pairs (i, i + d/2) by angle pos * inv_freq_i
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer, self.h, self.hkv, self.d = layer, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.d, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=bias)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+
+    def forward(self, x, cos, sin, attn: AttnFn):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.h, self.d)
+        k = self.k_proj(x).view(t, self.hkv, self.d)
+        v = self.v_proj(x).view(t, self.hkv, self.d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = attn(self.layer, q, k, v)  # [T, H, d]
+        return self.o_proj(o.reshape(t, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        b = cfg.mlp_bias
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=b)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=b)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=b)
+
+    def forward(self, x):
+        # SwiGLU: down(silu(gate x) * up x)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attn: AttnFn):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", cfg.inv_freq(), persistent=False)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # angle[t, i] = pos_t * inv_freq_i in float32, duplicated for the two halves
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+        """input_ids, positions [T] -> final-norm hidden states [T, D]."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attn)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, D] -> float32 logits [R, V]."""
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w).float()
+
+
+def load_model(model_dir: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> CausalLM:
+    """Build the model on the meta device and assign the checkpoint tensors (no random init)."""
+    cfg = ModelConfig.from_dir(model_dir)
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as fh:
+            files = sorted({os.path.join(model_dir, f) for f in json.load(fh)["weight_map"].values()})
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f, device="cpu"))
+    state = {k: v for k, v in state.items() if "rotary_emb" not in k}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {model_dir} does not match the {cfg.model_type} layout: "
+                         f"missing {missing[:8]}, unexpected {unexpected[:8]}")
+    model.inv_freq = cfg.inv_freq()  # non-persistent buffer: recompute off the meta device
+    model = model.to(device=device, dtype=dtype)
+    model.inv_freq = cfg.inv_freq().to(device)  # keep RoPE frequencies in float32
+    model.eval().requires_grad_(False)
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("loaded %s (%s, %d layers, %.1fM params) on %s as %s", cfg.name, cfg.model_type,
+                cfg.num_layers, n_params / 1e6, device, dtype)
+    return model

@@ -1,0 +1,42 @@
+"""Per-row next-token choice: argmax at temperature 0, else a sample from the Saguaro proposal q.
+
+Exactness contract with the verifier: the draft sends ``q16 = quantize_proposal(softmax(z / T))`` and
+samples from ``dequantize_proposal(q16)``, which is bit-identical to ``proposal_from_logits(z, T)``
+AND to what the verifier gets by dequantising the received bytes.  (Re-quantising the output of
+``proposal_from_logits`` would NOT be: renormalisation can move a float16 rounding.)
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from sglang_ssd.saguaro.proposal import dequantize_proposal, quantize_proposal
+
+
+def proposal_wire(logits: torch.Tensor, temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [n, V], temperatures [n] (> 0) -> (q float32 [n, V] to sample from, q16 float16 wire copy).
+
+    Same arithmetic as proposal_from_logits: softmax(logits.float() / T.clamp_min(1e-6))."""
+    t = temperatures.to(device=logits.device, dtype=torch.float32).unsqueeze(-1)
+    probs = torch.softmax(logits.float() / t.clamp_min(1e-6), dim=-1)
+    q16 = quantize_proposal(probs)
+    return dequantize_proposal(q16), q16
+
+
+def sample_rows(logits: torch.Tensor, temperatures: Sequence[float] | torch.Tensor,
+                generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """logits [n, V] float32 -> (tokens [n] long, q16 [n, V] float16 or None if every row is greedy).
+
+    Rows with temperature <= 0 take the argmax of the raw logits and keep a zero q16 row."""
+    temps = torch.as_tensor(temperatures, dtype=torch.float32, device=logits.device).reshape(-1)
+    tokens = logits.argmax(dim=-1)
+    sampled = (temps > 0).nonzero().squeeze(-1)
+    if sampled.numel() == 0:
+        return tokens, None
+    q, q16_rows = proposal_wire(logits[sampled], temps[sampled])
+    tokens[sampled] = torch.multinomial(q, 1, generator=generator).squeeze(-1)
+    q16 = torch.zeros(logits.shape, dtype=torch.float16, device=logits.device)
+    q16[sampled] = q16_rows
+    return tokens, q16

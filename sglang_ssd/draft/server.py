@@ -1,0 +1,140 @@
+"""DraftServer: single-threaded ROUTER loop  recv -> handle -> reply  (-> build the cache, async mode).
+
+Robustness rules: undecodable frames, wrong versions and handler exceptions are logged and answered
+with an ErrorReply (addressed to the request id when it can be read); the loop never dies on input.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from typing import Optional
+
+import zmq
+
+from sglang_ssd.draft.endpoint import normalize_endpoint, remove_ipc_file
+from sglang_ssd.draft.engine import DraftEngine, EngineError
+from sglang_ssd.draft.runner import DraftRunner
+from sglang_ssd.protocol import (MAX_FRAME_BYTES, Ack, ErrorReply, Health, HealthReply, Hello, Message,
+                                 Prefill, ProtocolError, Release, Shutdown, Speculate, decode, peek_req_id)
+
+logger = logging.getLogger(__name__)
+
+
+class DraftServer:
+    def __init__(self, engine: DraftEngine, endpoint: str | None = None, context: Optional[zmq.Context] = None):
+        self.engine = engine
+        self.ctx = context or zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + (1 << 20))
+        self.sock.bind(normalize_endpoint(endpoint))
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.protocol_errors = 0
+        self.handler_errors = 0
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str, endpoint: str | None = None, device: str = "cpu",
+                       dtype: str = "float32", seed: int = 0, max_batch: int = 1024) -> "DraftServer":
+        return cls(DraftEngine(DraftRunner.from_dir(model_dir, device, dtype), seed, max_batch), endpoint)
+
+    # ---------------------------------------------------------------------------------- loop
+    def serve_forever(self, poll_ms: int = 100) -> None:
+        logger.info("draft server listening on %s", self.endpoint)
+        try:
+            while not self._stop.is_set():
+                if not self.sock.poll(poll_ms):
+                    continue
+                frames = self.sock.recv_multipart(copy=False)
+                if not self._handle_frames(frames):
+                    break
+        finally:
+            self.sock.close(0)
+            remove_ipc_file(self.endpoint)
+            logger.info("draft server on %s stopped", self.endpoint)
+
+    def _handle_frames(self, frames: list) -> bool:
+        """-> False when the loop must stop (Shutdown)."""
+        ident, body = frames[0].bytes, [f.buffer for f in frames[1:]]
+        try:
+            msg = decode(body)
+        except ProtocolError as exc:
+            self.protocol_errors += 1
+            req_id = peek_req_id(body)
+            logger.warning("rejected malformed message (req_id %s): %s", req_id, exc)
+            self._send(ident, ErrorReply(message=f"protocol error: {exc}"[:60000], req_id=req_id or 0))
+            return True
+        t0 = time.perf_counter()
+        try:
+            reply = self._dispatch(msg)
+        except EngineError as exc:
+            logger.warning("rejected %s (req_id %d): %s", msg.TYPE, msg.req_id, exc.message)
+            reply = ErrorReply(message=exc.message[:60000], rids=exc.rids, req_id=msg.req_id)
+        except Exception as exc:  # a handler bug must not kill the draft process
+            self.handler_errors += 1
+            logger.exception("error while handling %s (req_id %d)", msg.TYPE, msg.req_id)
+            self._reset_after_failure(msg)
+            reply = ErrorReply(message=f"internal error: {type(exc).__name__}: {exc}"[:60000],
+                               rids=getattr(msg, "rids", []), req_id=msg.req_id)
+        reply.req_id = msg.req_id
+        self._send(ident, reply)
+        logger.debug("%s handled in %.2f ms", msg.TYPE, (time.perf_counter() - t0) * 1e3)
+        if isinstance(msg, Shutdown):
+            return False
+        if self.engine.pending:  # ANSWER FIRST, then build the next round's cache
+            try:
+                self.engine.build_cache()
+            except Exception:
+                self.handler_errors += 1
+                logger.exception("cache build failed; next round will miss")
+                self.engine.cache.clear()
+        return True
+
+    def _dispatch(self, msg: Message) -> Message:
+        e = self.engine
+        if isinstance(msg, Speculate):
+            return e.speculate(msg)
+        if isinstance(msg, Hello):
+            return e.hello(msg)
+        if isinstance(msg, Prefill):
+            return e.prefill(msg)
+        if isinstance(msg, Release):
+            return e.release(msg)
+        if isinstance(msg, Health):
+            stats = e.health()
+            stats.update(protocol_errors=self.protocol_errors, handler_errors=self.handler_errors,
+                         sglang_imported=int(any(m == "sglang" or m.startswith("sglang.") for m in sys.modules)))
+            return HealthReply(stats=stats)
+        if isinstance(msg, Shutdown):
+            logger.info("shutdown requested")
+            return Ack(message="bye")
+        raise EngineError(f"{msg.TYPE} is not a request")
+
+    def _reset_after_failure(self, msg: Message) -> None:
+        """An exception mid-handler may leave a request half-updated: drop the rows it touched."""
+        self.engine.pending = []
+        for rid in getattr(msg, "rids", []):
+            if isinstance(msg, (Speculate, Prefill)):
+                self.engine.requests.pop(rid, None)
+                self.engine.cache.drop(rid)
+
+    def _send(self, ident: bytes, msg: Message) -> None:
+        try:
+            self.sock.send_multipart([ident, *msg.encode()], copy=False)
+        except (ProtocolError, zmq.ZMQError) as exc:
+            logger.error("could not send %s: %s", msg.TYPE, exc)
+
+    # ----------------------------------------------------------------------------- threading
+    def start_in_thread(self) -> threading.Thread:
+        self._thread = threading.Thread(target=self.serve_forever, name="sglang-ssd-draft", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)

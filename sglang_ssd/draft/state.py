@@ -1,0 +1,61 @@
+"""Per-request draft state: the known context and which KV slots are valid for it.
+
+KV validity is tracked by a mirror, not by case analysis: ``written[i]`` is the token whose key/value
+sits in slot i, computed causally over ``written[:i]`` at position i.  Any slot i with
+``written[:i+1] == seq[:i+1]`` is therefore reusable for a sequence ``seq``.  Scratch writes of the
+speculation tree go to slots >= len(written) and never enter the mirror, so they can never be reused
+by mistake; a forward that starts at slot s first truncates the mirror to s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from sglang_ssd.draft.kv_cache import RequestKV
+
+
+@dataclass
+class RequestState:
+    rid: str
+    tokens: list[int]                         # C: all known tokens; tokens[-1] is the root
+    kv: RequestKV
+    temperature: float = 0.0
+    written: list[int] = field(default_factory=list)
+    kv_valid: int = 0                         # == common_prefix(written, tokens), kept incrementally
+    last_spec: Optional[list[int]] = None     # the K tokens last sent for this rid
+    last_hit: bool = False                    # did last_spec come from the cache?
+    rounds: int = 0
+
+    # --- context ---------------------------------------------------------------------------
+    def advance(self, k: int, bonus: int) -> None:
+        """Outcome of the last speculation: k accepted (-1: none sent) then `bonus`."""
+        if k >= 0:
+            assert self.last_spec is not None and k <= len(self.last_spec)
+            self.tokens.extend(self.last_spec[:k])
+        self.tokens.append(int(bonus))
+        self.kv_valid = self.valid_prefix(self.tokens)
+        self.rounds += 1
+
+    def valid_prefix(self, seq: Sequence[int]) -> int:
+        """Number of leading slots whose KV is correct for `seq` (seq must extend self.tokens[:kv_valid])."""
+        i = min(self.kv_valid, len(seq))
+        n = min(len(self.written), len(seq))
+        while i < n and self.written[i] == seq[i]:
+            i += 1
+        return i
+
+    # --- bookkeeping around forwards -------------------------------------------------------
+    def begin_write(self, start: int) -> None:
+        """Slots >= start are about to be overwritten: forget them before the forward runs."""
+        del self.written[start:]
+        self.kv_valid = min(self.kv_valid, start)
+
+    def end_write(self, tokens: Sequence[int]) -> None:
+        """The forward that began at len(written) wrote `tokens` there."""
+        self.written.extend(int(t) for t in tokens)
+        self.kv_valid = self.valid_prefix(self.tokens)
+
+    @property
+    def root_slot(self) -> int:
+        return len(self.tokens) - 1

@@ -1,0 +1,427 @@
+"""Draft engine / server / client: SSD cache invariants against sequential references, error handling,
+and the real thing (``python -m sglang_ssd.draft`` subprocess over ipc://)."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from sglang_ssd.draft.client import DraftClient, DraftError, DraftTimeout
+from sglang_ssd.draft.endpoint import normalize_endpoint, remove_ipc_file
+from sglang_ssd.draft.engine import DraftEngine, EngineError
+from sglang_ssd.draft.runner import DraftRunner
+from sglang_ssd.draft.server import DraftServer
+from sglang_ssd.protocol import (PROTOCOL_VERSION, Health, HealthReply, Hello, Prefill, Release, Speculate,
+                                 decode)
+from sglang_ssd.saguaro.proposal import dequantize_proposal
+from tests.tiny_models import greedy_reference, make_tiny_model, next_logits
+
+torch.set_num_threads(1)
+
+K = 3
+FAN = [2, 1, 1, 2]
+FAN_MISS = [3, 1, 1, 1]
+V = 96
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = {"r0": [5, 9, 17, 33, 2], "r1": [40, 41], "r2": [7, 8, 9, 10, 11, 12, 13, 14, 15]}
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return make_tiny_model(vocab_size=V, seed=1)
+
+
+@pytest.fixture(scope="module")
+def runner(model_dir):
+    return DraftRunner.from_dir(model_dir)
+
+
+class Target:
+    """The verifier's side of the conversation: tracks each request's context and last speculation."""
+
+    def __init__(self, engine: DraftEngine, temps: dict[str, float]):
+        self.e, self.temps = engine, temps
+        self.ctx = {r: list(p) for r, p in PROMPTS.items()}
+        self.spec: dict[str, list[int]] = {}
+        self.round = 0
+        engine.prefill(Prefill(list(PROMPTS), list(PROMPTS.values()), [temps[r] for r in PROMPTS]))
+
+    def step(self, outcomes: dict[str, tuple[int, int]]):
+        rids = list(outcomes)
+        msg = Speculate(self.round, rids, [outcomes[r][0] for r in rids], [outcomes[r][1] for r in rids],
+                        [self.temps[r] for r in rids])
+        self.round += 1
+        for r in rids:
+            k, b = outcomes[r]
+            self.ctx[r] += (self.spec[r][:k] if k >= 0 else []) + [b]
+        reply = decode([bytes(f) for f in self.e.speculate(msg).encode()])  # through the wire format
+        for i, r in enumerate(rids):
+            self.spec[r] = reply.tokens[i].tolist()
+            assert self.e.requests[r].tokens == self.ctx[r]
+        if self.e.session.mode == "async":
+            self.e.build_cache()
+        return rids, reply
+
+
+KINDS = ["hit", "miss", "hit", "reset", "hit", "odd"]
+
+
+def pick_outcome(rng: random.Random, e: DraftEngine, rid: str, spec: list[int],
+                 kind: str = "") -> tuple[tuple[int, int], bool]:
+    """A cached outcome (-> hit), a fresh miss, k = -1, or the odd 'bonus == rejected draft' miss."""
+    keys = e.cache.keys(rid)
+    kind = kind or rng.choice(KINDS)
+    if kind == "hit" and keys:
+        return rng.choice(keys), True
+    if kind == "reset":
+        return (-1, rng.randrange(V)), False
+    k = rng.randint(0, K)
+    if kind == "odd" and k < K:
+        return (k, spec[k]), False          # never a real outcome; must still be handled exactly
+    b = rng.choice([t for t in range(V) if (k, t) not in keys and (k == K or t != spec[k])])
+    return (k, b), False
+
+
+def check_cache_greedy(runner, e: DraftEngine, t: Target, rid: str) -> None:
+    """Every cached (rid, j, b) holds the sequential greedy decode from C + s[:j] + [b], and the
+    guesses at j are the top-fan_out[j] draft tokens there, s_{j+1} excluded."""
+    ctx, spec, keys = t.ctx[rid], t.spec[rid], e.cache.keys(rid)
+    fan = FAN if e.requests[rid].last_hit else FAN_MISS
+    for j in range(K + 1):
+        z = next_logits(runner, ctx + spec[:j])
+        if j < K:
+            z[spec[j]] = -float("inf")
+        want = set(torch.topk(z, fan[j]).indices.tolist())
+        assert {b for jj, b in keys if jj == j} == want, (rid, j)
+    for j, b in keys:
+        entry = e.cache.peek(rid, j, b)
+        assert entry.q16 is None
+        assert entry.tokens.tolist() == greedy_reference(runner, ctx + spec[:j] + [b], K), (rid, j, b)
+
+
+def check_q(runner, ctx: list[int], toks: list[int], q16, temp: float) -> None:
+    """q row t == softmax(z_t / T) of a sequential recomputation (fp16 rounding), token drawn from it."""
+    q = dequantize_proposal(torch.as_tensor(np.asarray(q16)))
+    for i, tok in enumerate(toks):
+        ref = torch.softmax(next_logits(runner, ctx + toks[:i]) / temp, -1)
+        torch.testing.assert_close(q[i], ref, atol=1e-5, rtol=2e-3)  # fp16: 2^-11 relative
+        assert q[i, tok] > 0
+
+
+def test_async_greedy_cache_and_backup_equal_sequential_decode(runner):
+    e = DraftEngine(runner, seed=0)
+    e.hello(Hello(PROTOCOL_VERSION, "t", K, "async", FAN, V, [1], FAN_MISS))
+    t = Target(e, {r: 0.0 for r in PROMPTS})
+    rng = random.Random(0)
+    outcomes = {r: (-1, 3 + i) for i, r in enumerate(PROMPTS)}
+    expect = {r: False for r in PROMPTS}
+    hits = 0
+    for rnd in range(6):
+        rids, reply = t.step(outcomes)
+        for i, r in enumerate(rids):
+            assert bool(reply.hit[i]) == expect[r], (rnd, r)
+            assert reply.tokens[i].tolist() == greedy_reference(runner, t.ctx[r], K), (rnd, r)
+        assert len(reply.q_rows) == 0 and reply.q.shape == (0, K, V)
+        hits += int(reply.hit.sum())
+        for r in PROMPTS:
+            check_cache_greedy(runner, e, t, r)
+        picked = {r: pick_outcome(rng, e, r, t.spec[r], KINDS[(rnd + i) % 6]) for i, r in enumerate(PROMPTS)}
+        outcomes = {r: o for r, (o, _) in picked.items()}
+        expect = {r: h for r, (_, h) in picked.items()}
+    assert hits == 8  # rounds 1..5 x 3 rows, half of the kinds are "hit"
+    h = e.health()
+    assert h["hits"] == hits and h["rounds"] == 6 and h["live_requests"] == 3 and h["builds"] == 6
+
+
+def test_async_sampled_q_matches_sequential_softmax(runner):
+    temps = {"r0": 1.0, "r1": 0.7, "r2": 0.0}
+    e = DraftEngine(runner, seed=1)
+    e.hello(Hello(PROTOCOL_VERSION, "t", K, "async", FAN, V, [1]))
+    t = Target(e, temps)
+    rng = random.Random(1)
+    outcomes = {r: (-1, 3) for r in PROMPTS}
+    n_hit = 0
+    for rnd in range(4):
+        rids, reply = t.step(outcomes)
+        assert reply.q_rows.tolist() == [0, 1]
+        for i, r in enumerate(rids):
+            if temps[r] > 0:
+                check_q(runner, t.ctx[r], t.spec[r], reply.q_for_row(i), temps[r])
+            else:
+                assert t.spec[r] == greedy_reference(runner, t.ctx[r], K)
+        n_hit += int(reply.hit[:2].sum())
+        for r in ("r0", "r1"):  # every cached entry carries the q its tokens were drawn from
+            for j, b in e.cache.keys(r):
+                entry = e.cache.peek(r, j, b)
+                check_q(runner, t.ctx[r] + t.spec[r][:j] + [b], entry.tokens.tolist(), entry.q16, temps[r])
+        outcomes = {r: pick_outcome(rng, e, r, t.spec[r])[0] for r in PROMPTS}
+    assert n_hit >= 1
+
+
+def test_sync_mode_is_plain_sd(runner):
+    temps = {"r0": 0.0, "r1": 0.0, "r2": 1.0}
+    e = DraftEngine(runner, seed=2)
+    e.hello(Hello(PROTOCOL_VERSION, "t", K, "sync", FAN, V))
+    t = Target(e, temps)
+    rng = random.Random(2)
+    outcomes = {r: (-1, 4) for r in PROMPTS}
+    for _ in range(4):
+        rids, reply = t.step(outcomes)
+        assert not reply.hit.any() and e.cache.num_entries() == 0 and not e.pending
+        for i, r in enumerate(rids):
+            if temps[r] == 0:
+                assert t.spec[r] == greedy_reference(runner, t.ctx[r], K)
+            else:
+                check_q(runner, t.ctx[r], t.spec[r], reply.q_for_row(i), 1.0)
+        outcomes = {r: (rng.randint(-1, K), rng.randrange(V)) for r in PROMPTS}
+    assert e.health()["backup_rows"] == 12
+
+
+def test_rejections_leave_state_untouched(runner):
+    e = DraftEngine(runner)
+    with pytest.raises(EngineError, match="Hello"):
+        e.prefill(Prefill(["a"], [[1]], [0.0]))
+    with pytest.raises(EngineError, match="vocab"):
+        e.hello(Hello(PROTOCOL_VERSION, "t", K, "async", FAN, V + 1))
+    e.hello(Hello(PROTOCOL_VERSION, "t", K, "async", FAN, V))
+    with pytest.raises(EngineError, match="vocab"):
+        e.prefill(Prefill(["a"], [[V]], [0.0]))
+    e.prefill(Prefill(["a", "b"], [[1, 2], [3]], [0.0, 0.0]))
+    before = {r: list(s.tokens) for r, s in e.requests.items()}
+    with pytest.raises(EngineError) as ei:
+        e.speculate(Speculate(0, ["a", "ghost"], [-1, -1], [5, 5], [0.0, 0.0]))
+    assert ei.value.rids == ["ghost"]
+    with pytest.raises(EngineError) as ei:
+        e.speculate(Speculate(0, ["a", "b"], [-1, 0], [5, 5], [0.0, 0.0]))  # b never got a speculation
+    assert ei.value.rids == ["b"]
+    with pytest.raises(EngineError, match="bonus"):
+        e.speculate(Speculate(0, ["a"], [-1], [V], [0.0]))
+    assert {r: s.tokens for r, s in e.requests.items()} == before and e.stats.rounds == 0
+    e.speculate(Speculate(0, ["a"], [-1], [5], [0.0]))
+    with pytest.raises(EngineError, match="k must"):
+        e.speculate(Speculate(1, ["a"], [K + 1], [5], [0.0]))
+    ack = e.release(Release(["a", "nobody"]))
+    assert ack.count == 1 and "nobody" in ack.message and "a" not in e.requests and not e.pending
+    # a new client resets everything
+    e.hello(Hello(PROTOCOL_VERSION, "other", K, "async", FAN, V))
+    assert not e.requests
+
+
+# ---------------------------------------------------------------------------------------------
+# client behaviour against a fake server: timeouts and late replies
+# ---------------------------------------------------------------------------------------------
+def test_client_timeout_then_late_reply_is_discarded():
+    ep = f"ipc:///tmp/sglang-ssd-test-{uuid.uuid4().hex}.sock"
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(ep)
+    stop = threading.Event()
+
+    def serve():
+        n = 0
+        while not stop.is_set():
+            if not router.poll(50):
+                continue
+            ident, *frames = router.recv_multipart()
+            msg = decode(frames)
+            n += 1
+            if n == 1:
+                time.sleep(0.4)  # too late for the first call
+            router.send_multipart([ident, *HealthReply(stats={"n": n}, req_id=msg.req_id).encode()])
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    client = DraftClient(ep, timeout_s=0.15, context=ctx)
+    try:
+        with pytest.raises(DraftTimeout):
+            client.health()
+        assert client.health(timeout_s=3.0) == {"n": 2}   # the late reply to call 1 was dropped
+        assert client.discarded == 1
+    finally:
+        stop.set()
+        th.join()
+        client.close()
+        router.close(0)
+        ctx.term()
+        remove_ipc_file(ep)
+
+
+def test_in_thread_server_survives_handler_exceptions(model_dir, monkeypatch):
+    server = DraftServer.from_model_dir(model_dir, f"ipc:///tmp/sglang-ssd-test-{uuid.uuid4().hex}.sock")
+    server.start_in_thread()
+    client = DraftClient(server.endpoint, timeout_s=20)
+    try:
+        client.hello(K, "async", FAN, V)
+        client.prefill(["x"], [[1, 2, 3]], [0.0])
+
+        def boom(msg):
+            raise RuntimeError("kaboom")
+
+        monkeypatch.setattr(server.engine, "speculate", boom)
+        with pytest.raises(DraftError, match="kaboom") as ei:
+            client.speculate(0, ["x"], [-1], [4], [0.0])
+        assert ei.value.rids == ["x"]
+        monkeypatch.undo()
+        assert client.health()["handler_errors"] == 1
+        with pytest.raises(DraftError, match="unknown rid"):  # the failed row was dropped
+            client.speculate(1, ["x"], [-1], [4], [0.0])
+        client.prefill(["x"], [[1, 2, 3]], [0.0])
+        assert client.speculate(2, ["x"], [-1], [4], [0.0]).tokens.shape == (1, K)
+        client.shutdown()
+        server._thread.join(10)
+        assert not server._thread.is_alive()
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_endpoints_default_to_private_ipc_and_loopback_tcp(model_dir):
+    a, b = normalize_endpoint(None), normalize_endpoint("ipc")
+    assert a.startswith("ipc:///tmp/sglang-ssd-") and a.endswith(".sock") and a != b
+    assert normalize_endpoint("tcp") == "tcp://127.0.0.1:*"
+    assert normalize_endpoint("tcp:5555") == normalize_endpoint("tcp://:5555") == "tcp://127.0.0.1:5555"
+    assert normalize_endpoint("tcp://10.0.0.1:7") == "tcp://10.0.0.1:7"
+    with pytest.raises(ValueError):
+        normalize_endpoint("udp://x")
+    server = DraftServer.from_model_dir(model_dir, "tcp")
+    assert server.endpoint.startswith("tcp://127.0.0.1:")
+    server.start_in_thread()
+    with DraftClient(server.endpoint, timeout_s=20) as client:
+        assert client.health()["live_requests"] == 0
+        client.shutdown()
+    server._thread.join(10)
+
+
+# ---------------------------------------------------------------------------------------------
+# the real thing: python -m sglang_ssd.draft in its own process
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def draft_proc(model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("draft") / "draft.log"
+    ep = f"ipc:///tmp/sglang-ssd-test-{uuid.uuid4().hex}.sock"
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with open(log, "w") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "sglang_ssd.draft", "--model", model_dir, "--bind", ep,
+                                 "--device", "cpu", "--threads", "1", "--cpu-core", str(max(os.sched_getaffinity(0))),
+                                 "--log-level", "INFO"], cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT)
+    client = DraftClient(ep, timeout_s=60)
+    yield proc, client, ep, log
+    client.close()
+    if proc.poll() is None:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _remote_rounds(runner, client, temps: dict[str, float], rounds: int, mode: str) -> int:
+    """Drive rounds through the real socket; outcomes 'all K accepted + draft's top bonus' are cached
+    (fan_out[K] >= 1), so in async mode every round after the first must hit."""
+    rids = list(PROMPTS)
+    client.prefill(rids, [PROMPTS[r] for r in rids], [temps[r] for r in rids])
+    ctx = {r: list(PROMPTS[r]) for r in rids}
+    ks, bonuses = [-1] * 3, [3, 4, 5]
+    hits = 0
+    for rnd in range(rounds):
+        for r, k, b in zip(rids, ks, bonuses):
+            ctx[r] += (spec[r][:k] if k >= 0 else []) + [b]
+        reply = client.speculate(rnd, rids, ks, bonuses, [temps[r] for r in rids])
+        spec = {r: reply.tokens[i].tolist() for i, r in enumerate(rids)}
+        if mode == "async" and rnd > 0:
+            assert reply.hit.all(), rnd
+        if mode == "sync":
+            assert not reply.hit.any()
+        hits += int(reply.hit.sum())
+        for i, r in enumerate(rids):
+            if temps[r] == 0:
+                assert spec[r] == greedy_reference(runner, ctx[r], K), (rnd, r)
+            else:
+                check_q(runner, ctx[r], spec[r], reply.q_for_row(i), temps[r])
+        # next outcome: alternate "all accepted" (bonus = top-1 after s_K) and "reject at j = 0"
+        # (bonus = best token other than s_1) -- both among the cached guesses
+        ks, bonuses = [], []
+        for r in rids:
+            j = K if rnd % 2 == 0 else 0
+            z = next_logits(runner, ctx[r] + spec[r][:j])
+            if j < K:
+                z[spec[r][j]] = -float("inf")
+            ks.append(j)
+            bonuses.append(int(z.argmax()))
+        assert reply.answer_ms >= 0 and reply.build_ms >= 0
+    client.release(rids)
+    return hits
+
+
+def test_subprocess_draft_end_to_end(runner, draft_proc):
+    proc, client, ep, log = draft_proc
+    hello = client.hello(K, "async", FAN, V, eos_ids=[1], timeout_s=120)
+    assert hello.draft_vocab_size == V and hello.pid == proc.pid
+    with pytest.raises(DraftError, match="vocab"):
+        client.hello(K, "async", FAN, V + 5)
+    client.hello(K, "async", FAN, V)
+    assert _remote_rounds(runner, client, {"r0": 0.0, "r1": 0.0, "r2": 0.0}, 5, "async") == 12
+    assert _remote_rounds(runner, client, {"r0": 1.0, "r1": 0.0, "r2": 0.7}, 4, "async") == 9
+    stats = client.health()
+    assert stats["live_requests"] == 0 and stats["hits"] == 21 and stats["builds"] == 9
+    assert stats["avg_build_ms"] > 0 and stats["kv_tokens"] == 0
+    assert stats["sglang_imported"] == 0      # the draft process never imports SGLang
+    client.hello(K, "sync", FAN, V)           # reconfigure: plain SD
+    assert _remote_rounds(runner, client, {"r0": 0.0, "r1": 1.0, "r2": 0.0}, 3, "sync") == 0
+    with pytest.raises(DraftError, match="unknown rid"):
+        client.speculate(99, ["nope"], [-1], [1], [0.0])
+
+    # malformed traffic from a raw DEALER: logged, answered when possible, server stays up
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(ep)
+    try:
+        raw.send_multipart([b"\x00garbage"])
+        good = [bytes(f) for f in Health(req_id=4242).encode()]
+        import msgpack
+        h = msgpack.unpackb(good[0])
+        h["version"] = PROTOCOL_VERSION + 1
+        raw.send_multipart([msgpack.packb(h)])
+        spec = [bytes(f) for f in Speculate(1, ["a"], [0], [1], [0.0], req_id=77).encode()]
+        raw.send_multipart([spec[0], spec[1][:3], spec[2], spec[3]])    # truncated array
+        replies = []
+        for _ in range(3):
+            assert raw.poll(20000)
+            replies.append(decode(raw.recv_multipart()))
+        assert all(r.TYPE == "error" for r in replies)
+        assert "version" in replies[1].message and replies[1].req_id == 4242
+        assert replies[2].req_id == 77
+    finally:
+        raw.close(0)
+    stats = client.health()
+    assert stats["protocol_errors"] == 3
+    client.shutdown()
+    assert proc.wait(20) == 0
+    text = log.read_text()
+    assert "READY" in text and text.count("rejected malformed message") == 3
+    assert not os.path.exists(ep[len("ipc://"):])
+
+
+def test_draft_side_never_imports_sglang():
+    """Static guard: the draft process (sglang_ssd/draft, sglang_ssd/protocol.py) must not import SGLang."""
+    import ast
+    import glob
+
+    pkg = os.path.join(REPO, "sglang_ssd")
+    files = glob.glob(os.path.join(pkg, "draft", "*.py")) + [os.path.join(pkg, "protocol.py")]
+    for path in files:
+        with open(path) as fh:
+            tree = ast.parse(fh.read())
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                assert name.split(".")[0] != "sglang", f"{path} imports {name}"
+                assert not name.startswith("sglang_ssd.sglang"), f"{path} imports {name}"

@@ -1,0 +1,117 @@
+"""Tiny random Hugging Face checkpoints (Llama / Qwen3) for draft tests.
+
+Written directly (config.json + model.safetensors with HF parameter names) so tests that only need a
+checkpoint do not pay for importing transformers; test_draft_runner loads the very same directories
+with transformers' LlamaForCausalLM / Qwen3ForCausalLM to check our runner against them.
+Weights use a larger-than-usual std so logits are spread out (no near-ties that float noise could
+flip between a batched and a sequential forward).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import tempfile
+from typing import Any, Optional
+
+import torch
+from safetensors.torch import save_file
+
+_ROOT: Optional[str] = None
+_MADE: dict[tuple, str] = {}
+
+
+def _root() -> str:
+    global _ROOT
+    if _ROOT is None:
+        _ROOT = tempfile.mkdtemp(prefix="sglang-ssd-tiny-")
+        atexit.register(shutil.rmtree, _ROOT, True)
+    return _ROOT
+
+
+def tiny_hf_config(kind: str = "llama", vocab_size: int = 96, **overrides: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "architectures": ["Qwen3ForCausalLM" if kind == "qwen3" else "LlamaForCausalLM"],
+        "model_type": kind, "vocab_size": vocab_size, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "hidden_act": "silu", "attention_bias": False, "bos_token_id": 0, "eos_token_id": 1,
+        "rope_parameters": {"rope_theta": 1e6 if kind == "qwen3" else 10000.0, "rope_type": "default"},
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def random_state_dict(cfg: dict[str, Any], seed: int, std: float) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    d, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    h, hkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * std
+
+    def norm(n):
+        return 1.0 + 0.1 * torch.randn(n, generator=g)
+
+    sd = {"model.embed_tokens.weight": w(v, d), "model.norm.weight": norm(d)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        sd.update({p + "self_attn.q_proj.weight": w(h * hd, d), p + "self_attn.k_proj.weight": w(hkv * hd, d),
+                   p + "self_attn.v_proj.weight": w(hkv * hd, d), p + "self_attn.o_proj.weight": w(d, h * hd),
+                   p + "mlp.gate_proj.weight": w(f, d), p + "mlp.up_proj.weight": w(f, d),
+                   p + "mlp.down_proj.weight": w(d, f), p + "input_layernorm.weight": norm(d),
+                   p + "post_attention_layernorm.weight": norm(d)})
+        if cfg["model_type"] == "qwen3":
+            sd[p + "self_attn.q_norm.weight"] = norm(hd)
+            sd[p + "self_attn.k_norm.weight"] = norm(hd)
+    if not cfg["tie_word_embeddings"]:
+        sd["lm_head.weight"] = w(v, d)
+    return sd
+
+
+def make_tiny_model(path: Optional[str] = None, kind: str = "llama", vocab_size: int = 96, seed: int = 0,
+                    std: float = 0.3, **overrides: Any) -> str:
+    """Build + save a random checkpoint; returns its directory (cached per argument set)."""
+    key = (path, kind, vocab_size, seed, std, json.dumps(overrides, sort_keys=True))
+    if key in _MADE and os.path.isdir(_MADE[key]):
+        return _MADE[key]
+    cfg = tiny_hf_config(kind, vocab_size, **overrides)
+    out = path or os.path.join(_root(), f"{kind}-v{vocab_size}-s{seed}-{len(_MADE)}")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "config.json"), "w") as fh:
+        json.dump(cfg, fh, indent=1)
+    save_file(random_state_dict(cfg, seed, std), os.path.join(out, "model.safetensors"),
+              metadata={"format": "pt"})
+    _MADE[key] = out
+    return out
+
+
+def load_hf(path: str):
+    """The same checkpoint through transformers (eager attention, fp32) -- the reference."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+# --- sequential references (one token at a time, fresh KV) ------------------------------------------
+def next_logits(runner, context: list[int]) -> torch.Tensor:
+    """float32 [V] logits of the token after `context`, from a fresh cache."""
+    from sglang_ssd.draft.runner import ForwardItem
+
+    return runner.forward([ForwardItem.extend(runner.new_kv(), list(context), 0)])[0][0]
+
+
+def greedy_reference(runner, context: list[int], n: int) -> list[int]:
+    """Plain sequential greedy decode of n tokens after `context`: prefill, then 1 token per forward."""
+    from sglang_ssd.draft.runner import ForwardItem
+
+    kv = runner.new_kv()
+    logits = runner.forward([ForwardItem.extend(kv, list(context), 0)])[0][0]
+    out = []
+    for i in range(n):
+        out.append(int(logits.argmax()))
+        if i + 1 < n:
+            logits = runner.forward([ForwardItem.extend(kv, [out[-1]], len(context) + i)])[0][0]
+    return out

@@ -28,7 +28,7 @@ def _saguaro_server(target, draft, mode, tmp_path):
                                             "stats_interval": 20})}
     srv = SGLangServer(target, COMMON + ["--speculative-algorithm", "saguaro", "--speculative-draft-model-path",
                                          draft, "--speculative-num-steps", "4"],
-                       env=env, log_path=str(tmp_path / f"server-{mode}.log"))
+                       env=env, cpu_core=0, log_path=str(tmp_path / f"server-{mode}.log"))
     srv.draft_endpoint, srv.stats_file = endpoint, stats
     return srv
 
@@ -50,7 +50,7 @@ def prompts(target_path):
 def reference(target_path, prompts, tmp_path_factory):
     """Plain SGLang (no speculation) outputs for every check below."""
     log = tmp_path_factory.mktemp("ar") / "server.log"
-    with SGLangServer(target_path, COMMON, log_path=str(log)) as srv:
+    with SGLangServer(target_path, COMMON, cpu_core=0, log_path=str(log)) as srv:
         greedy = _run_concurrent(srv, prompts, {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True})
         mixed = _mixed_requests(srv, prompts)
     return {"greedy": [o["output_ids"] for o in greedy], "mixed": mixed}

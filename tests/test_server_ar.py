@@ -32,7 +32,7 @@ def test_sglang_greedy_equals_hf(target_path, hf, tmp_path):
             out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS,
                                  do_sample=False, eos_token_id=None, pad_token_id=tok.eos_token_id)
             expected.append(out[0, len(ids):].tolist())
-    with SGLangServer(target_path, ["--dtype", "float32"], log_path=str(tmp_path / "server.log")) as srv:
+    with SGLangServer(target_path, ["--dtype", "float32"], cpu_core=0, log_path=str(tmp_path / "server.log")) as srv:
         outs = srv.generate(input_ids=prompts, sampling_params={
             "temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True})
         text = srv.generate(text="The capital of France is", sampling_params={"temperature": 0, "max_new_tokens": 8})

@@ -1,5 +1,7 @@
 """Prompts used by the server tests (varied: chat, code, math, facts, plain continuation)."""
 
+from sglang_ssd.demo import chat_prompt
+
 CHAT = [
     "Give me three tips for studying effectively.",
     "What is the capital of France?",
@@ -27,11 +29,5 @@ RAW = [
 ]
 
 
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-
-
 def all_prompt_ids(tokenizer) -> list[list[int]]:
-    return [chat_ids(tokenizer, p) for p in CHAT] + [tokenizer(p)["input_ids"] for p in RAW]
+    return [chat_prompt(tokenizer, p) for p in CHAT] + [tokenizer(p)["input_ids"] for p in RAW]

@@ -75,6 +75,8 @@ def test_saguaro_equals_plain_sglang(mode, target_path, draft_path, prompts, ref
         outs = _run_concurrent(srv, prompts, {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True})
         mixed = _mixed_requests(srv, prompts)
         aborted = _abort_mid_generation(srv, prompts[0])
+        sampled = _run_concurrent(srv, prompts[:4], {"temperature": 0.8, "top_p": 0.95, "max_new_tokens": 24,
+                                                     "ignore_eos": True})
         time.sleep(1.0)
         with DraftClient(srv.draft_endpoint, timeout_s=30) as client:
             health = client.health()
@@ -86,6 +88,8 @@ def test_saguaro_equals_plain_sglang(mode, target_path, draft_path, prompts, ref
     for got, ref in zip(mixed, reference["mixed"]):
         assert got == ref
     assert aborted
+    for o in sampled:  # T > 0 goes through rejection sampling against the draft's q
+        assert len(o["output_ids"]) == 24 and o["meta_info"]["spec_verify_ct"] > 0
     # speculation actually happened: drafts were accepted, and rejected, and (async) cache hits
     assert stats["rounds"] > 0 and stats["errors"] == 0 and stats["fallback_rows"] == 0
     assert 1.0 < stats["accept_len"] < 5.0, stats

@@ -98,11 +98,14 @@ class DraftLink:
             if self.client is not None:
                 self.client.close()
             self.client = self._client_cls(self.endpoint, timeout_s=self.cfg.draft_timeout_s)
-            deadline = time.monotonic() + self.cfg.startup_timeout_s
+            # at startup wait for the draft to load; later (serving) try once, briefly: rounds keep
+            # decoding with the target alone meanwhile, and the next try comes after a backoff
+            deadline = time.monotonic() + (self.cfg.startup_timeout_s if startup else 0.0)
             while True:
                 try:
                     info = self.client.hello(k=self.k, mode=self.cfg.mode, fan_out=self.cfg.fan_out,
-                                             vocab_size=self.vocab_size, eos_ids=self.eos_ids)
+                                             vocab_size=self.vocab_size, eos_ids=self.eos_ids,
+                                             timeout_s=None if startup else 2.0)
                     break
                 except Exception as exc:  # not up yet
                     if self.proc is not None and self.proc.poll() is not None:

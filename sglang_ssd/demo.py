@@ -1,7 +1,7 @@
 """The CPU demo: the real SmolLM2 target served by SGLang on CPU, without speculation (AR), with plain
 speculative decoding (SD = saguaro sync mode) and with SSD (saguaro async mode).
 
-``python -m sglang_ssd.demo [--modes ar,sd,ssd] [--max-new-tokens 64] [--k 4] [--dtype bfloat16]``
+``python -m sglang_ssd.demo [--modes ar,sd,ssd] [--max-new-tokens 64] [--k 4] [--dtype float32]``
 The target runs pinned to core 0; the draft process pins itself to the last core (SD uses the same
 two cores, so SD and SSD run on identical hardware).
 """
@@ -69,7 +69,8 @@ def main(argv=None) -> None:
     ap.add_argument("--modes", default="ar,sd,ssd")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"],
+                    help="float32 by default: this class of CPU (AVX2, no AMX) gains nothing from bf16")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from transformers import AutoTokenizer

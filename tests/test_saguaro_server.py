@@ -24,7 +24,8 @@ COMMON = ["--dtype", "float32", "--max-running-requests", "8", "--random-seed", 
 def _saguaro_server(target, draft, mode, tmp_path):
     endpoint = f"ipc://{tmp_path}/draft-{mode}-{uuid.uuid4().hex[:6]}.sock"
     stats = str(tmp_path / f"stats-{mode}.json")
-    env = {"SGLANG_SSD_CONFIG": json.dumps({"mode": mode, "draft_endpoint": endpoint, "stats_file": stats,
+    # fan_out 2 (B = 10 per request) keeps the CPU cache build, and this test, shorter
+    env = {"SGLANG_SSD_CONFIG": json.dumps({"mode": mode, "draft_endpoint": endpoint, "stats_file": stats, "fan_out": 2,
                                             "stats_interval": 20})}
     srv = SGLangServer(target, COMMON + ["--speculative-algorithm", "saguaro", "--speculative-draft-model-path",
                                          draft, "--speculative-num-steps", "4"],

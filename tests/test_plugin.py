@@ -33,7 +33,7 @@ PROBE = textwrap.dedent("""
             sa = prepare_server_args(["--model-path", sys.argv[2], "--device", "cpu"] + case["args"])
             sa.resolve_once()
             v = resolving_view(sa)
-            out["cases"].append({"ok": [v.speculative_algorithm, v.speculative_num_steps,
+            out["cases"].append({"ok": [v.speculative_algorithm, v.speculative_num_steps, v.grammar_backend,
                                         v.speculative_num_draft_tokens, v.speculative_eagle_topk,
                                         v.disable_overlap_schedule, v.max_running_requests]})
         except Exception as exc:
@@ -76,8 +76,8 @@ def test_entry_point_discovered_and_idempotent(probe):
 
 
 def test_server_args_defaults(probe):
-    assert probe["cases"][0] == {"ok": ["SAGUARO", 4, 5, 1, True, 48]}
-    assert probe["cases"][1] == {"ok": ["SAGUARO", 3, 4, 1, True, 48]}
+    assert probe["cases"][0] == {"ok": ["SAGUARO", 4, "none", 5, 1, True, 48]}
+    assert probe["cases"][1] == {"ok": ["SAGUARO", 3, "none", 4, 1, True, 48]}
 
 
 @pytest.mark.parametrize("i,needle", [

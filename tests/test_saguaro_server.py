@@ -78,6 +78,10 @@ def test_saguaro_equals_plain_sglang(mode, target_path, draft_path, prompts, ref
         aborted = _abort_mid_generation(srv, prompts[0])
         sampled = _run_concurrent(srv, prompts[:4], {"temperature": 0.8, "top_p": 0.95, "max_new_tokens": 24,
                                                      "ignore_eos": True})
+        with_logprobs = srv.generate(input_ids=prompts[0], return_logprob=True, top_logprobs_num=2,
+                                     sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+        grammar = requests.post(srv.url + "/generate", timeout=120, json={
+            "input_ids": prompts[1], "sampling_params": {"max_new_tokens": 8, "regex": "[0-9]+"}})
         time.sleep(1.0)
         with DraftClient(srv.draft_endpoint, timeout_s=30) as client:
             health = client.health()
@@ -89,6 +93,11 @@ def test_saguaro_equals_plain_sglang(mode, target_path, draft_path, prompts, ref
     for got, ref in zip(mixed, reference["mixed"]):
         assert got == ref
     assert aborted
+    # grammar-constrained requests are refused with a clear error, not silently unconstrained
+    assert "Grammar-based generation" in grammar.text, grammar.text[:500]
+    assert with_logprobs["output_ids"] == reference["greedy"][0][:8]
+    assert len(with_logprobs["meta_info"]["output_token_logprobs"]) == 8
+    assert all(lp[0] <= 0.0 for lp in with_logprobs["meta_info"]["output_token_logprobs"])
     for o in sampled:  # T > 0 goes through rejection sampling against the draft's q
         assert len(o["output_ids"]) == 24 and o["meta_info"]["spec_verify_ct"] > 0
     # speculation actually happened: drafts were accepted, and rejected, and (async) cache hits
@@ -123,3 +132,39 @@ def _abort_mid_generation(srv, ids) -> bool:
     finished_early = out is not None and out["meta_info"]["completion_tokens"] < 400
     after = srv.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 4})
     return finished_early and len(after["output_ids"]) == 4
+
+
+def test_draft_killed_mid_generation(target_path, draft_path, prompts, reference, tmp_path):
+    """SIGKILL the draft while requests run: they finish with exactly the plain-SGLang tokens (rounds
+    fall back to target-only decoding), the worker restarts the draft, and speculation resumes."""
+    import signal
+
+    srv = _saguaro_server(target_path, draft_path, "async", tmp_path)
+    greedy = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+    with srv:
+        with DraftClient(srv.draft_endpoint, timeout_s=30) as client:
+            old_pid = int(client.health()["pid"])
+        with cf.ThreadPoolExecutor(4) as pool:
+            futs = [pool.submit(srv.generate, input_ids=ids, sampling_params=greedy) for ids in prompts[:4]]
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:  # kill once speculation is under way
+                if os.path.exists(srv.stats_file) and json.load(open(srv.stats_file))["rounds"] >= 2:
+                    break
+                time.sleep(0.2)
+            os.kill(old_pid, signal.SIGKILL)
+            first = [f.result() for f in futs]
+        during = json.load(open(srv.stats_file))
+        # later requests: the restarted draft serves them once it is back
+        deadline = time.monotonic() + 180
+        while True:
+            later = _run_concurrent(srv, prompts[4:8], greedy)
+            stats = json.load(open(srv.stats_file))
+            if stats["rows"] - stats["fallback_rows"] > during["rows"] - during["fallback_rows"] or time.monotonic() > deadline:
+                break
+        with DraftClient(srv.draft_endpoint, timeout_s=30) as client:
+            new_pid = int(client.health()["pid"])
+    for o, ref in zip(first + later, reference["greedy"][:8]):
+        assert o["output_ids"] == ref
+    assert during["errors"] >= 1 and during["fallback_rows"] > 0, during
+    assert new_pid != old_pid
+    assert stats["rows"] - stats["fallback_rows"] > during["rows"] - during["fallback_rows"], stats

@@ -339,7 +339,7 @@ class DraftEngine:
         st, c = self.stats, self.cache.total
         builds = max(st.builds, 1)
         return {
-            "uptime_s": time.time() - self.t_start,
+            "pid": os.getpid(), "uptime_s": time.time() - self.t_start,
             "rounds": st.rounds, "rows": st.rows, "hits": c.hits, "misses": c.misses,
             "forced_misses": c.forced_misses, "hit_rate": c.hits / max(c.lookups, 1),
             "backup_rows": st.backup_rows, "live_requests": len(self.requests),

@@ -59,6 +59,9 @@ class SaguaroAlgo(CustomSpecAlgo):
         server_args.disable_overlap_schedule = True
         # A TARGET_VERIFY CUDA graph needs an algorithm-specific dummy verify input (later issue).
         server_args.disable_cuda_graph = True
+        # Grammar-constrained decoding is not wired into saguaro's verifier yet: refuse such requests
+        # with SGLang's own clear per-request error instead of silently ignoring the grammar.
+        server_args.grammar_backend = "none"
         if server_args.max_running_requests is None:
             server_args.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
 

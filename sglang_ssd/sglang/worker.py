@@ -141,6 +141,10 @@ class SaguaroWorker(BaseSpecWorker):
         batch.forward_mode = ForwardMode.DECODE
         next_ids = torch.where(torch.arange(n, device=self.device)[None, :] < accept_lens[:, None].long(),
                                out_tokens, torch.zeros_like(out_tokens)).reshape(-1)
+        if batch.return_logprob:  # out token (b, j) came from logits row b * n + j: a chain layout
+            from sglang.srt.layers.logprob_processor import compute_spec_logprobs
+
+            compute_spec_logprobs(batch, result.logits_output, next_ids, chain_stride=n)
         return GenerationBatchResult(
             logits_output=result.logits_output, next_token_ids=next_ids, can_run_cuda_graph=False,
             accept_lens=accept_lens, new_seq_lens=new_seq_lens,

@@ -16,16 +16,20 @@ if [ -f "$VENV/.sglang-ssd-setup" ] && [ "$(cat "$VENV/.sglang-ssd-setup")" = "$
 fi
 
 start=$(date +%s)
-echo "[setup] creating $VENV ($KIND recipe)"
+echo "[setup] installing into $VENV ($KIND recipe)"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-PIP="$VENV/bin/python -m pip"
-$PIP install -q -U pip
+LOG="$VENV/setup.log"
+: > "$LOG"
+pip_install() {  # quiet unless it fails; the full log stays in $LOG
+  "$VENV/bin/python" -m pip install -q "$@" >>"$LOG" 2>&1 || { tail -40 "$LOG"; echo "[setup] pip install $* failed (log: $LOG)"; exit 1; }
+}
+pip_install -U pip
 if [ "$KIND" = gpu ]; then
-  $PIP install -q -e ".[test]"
+  pip_install -e ".[test]"
 else
-  $PIP install -q -c scripts/constraints-cpu.txt -r scripts/requirements-cpu.txt
-  $PIP install -q --no-deps sglang==0.5.23 xgrammar==0.2.7
-  $PIP install -q --no-deps --no-build-isolation -e .
+  pip_install -c scripts/constraints-cpu.txt -r scripts/requirements-cpu.txt
+  pip_install --no-deps sglang==0.5.23 xgrammar==0.2.7
+  pip_install --no-deps --no-build-isolation -e .
   site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   echo "$(pwd)/sglang_ssd/cpu/stubs" > "$site/sglang_ssd_cpu_stubs.pth"
 fi

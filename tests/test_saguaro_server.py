@@ -166,5 +166,5 @@ def test_draft_killed_mid_generation(target_path, draft_path, prompts, reference
     for o, ref in zip(first + later, reference["greedy"][:8]):
         assert o["output_ids"] == ref
     assert during["errors"] >= 1 and during["fallback_rows"] > 0, during
-    assert new_pid != old_pid
+    assert new_pid != old_pid and stats["reconnects"] >= 1, stats
     assert stats["rows"] - stats["fallback_rows"] > during["rows"] - during["fallback_rows"], stats

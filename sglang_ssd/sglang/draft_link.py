@@ -53,7 +53,7 @@ class LinkStats:
     fallback_rows: int = 0
     accepted: int = 0  # accepted drafts + bonus tokens
     wait_s: float = 0.0
-    restarts: int = 0
+    reconnects: int = 0
     errors: int = 0
     hist: list[int] = field(default_factory=list)
 
@@ -72,6 +72,7 @@ class DraftLink:
         self.proc: Optional[subprocess.Popen] = None
         self.client = None
         self.round_id = 0
+        self.client_ok = True  # False after an error, until a reconnect succeeds
         self._next_retry = 0.0
         self._backoff = 1.0
         self.endpoint = cfg.draft_endpoint or f"ipc://{tempfile.gettempdir()}/sglang-ssd-{uuid.uuid4().hex[:12]}.sock"
@@ -116,6 +117,8 @@ class DraftLink:
             logger.info("saguaro: draft ready at %s (%s)", self.endpoint, info)
             self.states.clear()
             self._backoff = 1.0
+            if not startup:
+                self.stats.reconnects += 1
             return True
         except Exception as exc:
             if startup:
@@ -132,7 +135,6 @@ class DraftLink:
         self.client_ok = False
         self.states.clear()
         self._next_retry = time.monotonic() + self._backoff
-        self.stats.restarts += 1
 
     def close(self) -> None:
         try:
@@ -150,8 +152,6 @@ class DraftLink:
                 self.proc.kill()
 
     # ---- per round ----------------------------------------------------------------------
-    client_ok = True
-
     def speculate(self, reqs, temperatures: list[float]) -> Proposal:
         bs = len(reqs)
         t0 = time.perf_counter()
@@ -250,7 +250,7 @@ class DraftLink:
         return {"mode": self.cfg.mode, "k": self.k, "fan_out": self.cfg.fan_out, "rounds": s.rounds,
                 "rows": s.rows, "hits": s.hits, "hit_rate": s.hits / rows, "accept_len": s.accepted / rows,
                 "draft_wait_ms": 1000 * s.wait_s / max(s.rounds, 1), "fallback_rows": s.fallback_rows,
-                "errors": s.errors, "restarts": s.restarts, "accept_hist": s.hist}
+                "errors": s.errors, "reconnects": s.reconnects, "accept_hist": s.hist}
 
     def write_stats(self, path: str) -> None:
         tmp = path + ".tmp"

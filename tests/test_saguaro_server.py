@@ -21,12 +21,12 @@ NEW_TOKENS = 40
 COMMON = ["--dtype", "float32", "--max-running-requests", "8", "--random-seed", "1"]
 
 
-def _saguaro_server(target, draft, mode, tmp_path):
+def _saguaro_server(target, draft, mode, tmp_path, **extra_cfg):
     endpoint = f"ipc://{tmp_path}/draft-{mode}-{uuid.uuid4().hex[:6]}.sock"
     stats = str(tmp_path / f"stats-{mode}.json")
     # fan_out 2 (B = 10 per request) keeps the CPU cache build, and this test, shorter
     env = {"SGLANG_SSD_CONFIG": json.dumps({"mode": mode, "draft_endpoint": endpoint, "stats_file": stats, "fan_out": 2,
-                                            "stats_interval": 20})}
+                                            "stats_interval": 20, **extra_cfg})}
     srv = SGLangServer(target, COMMON + ["--speculative-algorithm", "saguaro", "--speculative-draft-model-path",
                                          draft, "--speculative-num-steps", "4"],
                        env=env, cpu_core=0, log_path=str(tmp_path / f"server-{mode}.log"))
@@ -139,7 +139,7 @@ def test_draft_killed_mid_generation(target_path, draft_path, prompts, reference
     fall back to target-only decoding), the worker restarts the draft, and speculation resumes."""
     import signal
 
-    srv = _saguaro_server(target_path, draft_path, "async", tmp_path)
+    srv = _saguaro_server(target_path, draft_path, "async", tmp_path, draft_timeout_s=20)
     greedy = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
     with srv:
         with DraftClient(srv.draft_endpoint, timeout_s=30) as client:

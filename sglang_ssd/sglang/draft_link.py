@@ -161,6 +161,8 @@ class DraftLink:
             self.client_ok = True
         rids = [r.rid for r in reqs]
         try:
+            if self.spawn and self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"draft process exited with code {self.proc.returncode}")
             self._release_departed(set(rids))
             ks, bonuses, new_rids, new_prompts, new_temps = [], [], [], [], []
             for r, temp in zip(reqs, temperatures):

@@ -425,3 +425,22 @@ def test_draft_side_never_imports_sglang():
             for name in names:
                 assert name.split(".")[0] != "sglang", f"{path} imports {name}"
                 assert not name.startswith("sglang_ssd.sglang"), f"{path} imports {name}"
+
+
+def test_client_fails_at_once_when_the_draft_is_gone(tmp_path):
+    """With a liveness probe, a call to a dead draft fails within a poll slice, not at the timeout."""
+    import time as _time
+
+    from sglang_ssd.draft.client import ALIVE_POLL_MS, DraftClient, DraftError
+
+    endpoint = f"ipc://{tmp_path}/nobody.sock"
+    with DraftClient(endpoint, timeout_s=30, alive=lambda: False) as client:
+        t0 = _time.monotonic()
+        with pytest.raises(DraftError, match="is gone"):
+            client.health()
+        assert _time.monotonic() - t0 < 5 * ALIVE_POLL_MS / 1000
+    with DraftClient(endpoint, timeout_s=0.3, alive=lambda: True) as client:  # alive but silent: timeout
+        from sglang_ssd.draft.client import DraftTimeout
+
+        with pytest.raises(DraftTimeout):
+            client.health()

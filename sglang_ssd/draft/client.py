@@ -12,7 +12,7 @@ import logging
 import os
 import time
 import uuid
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import zmq
 
@@ -21,6 +21,8 @@ from sglang_ssd.protocol import (MAX_FRAME_BYTES, PROTOCOL_VERSION, Ack, ErrorRe
                                  Speculate, SpecReply, decode, peek_req_id)
 
 logger = logging.getLogger(__name__)
+
+ALIVE_POLL_MS = 200
 
 
 class DraftTimeout(TimeoutError):
@@ -36,8 +38,12 @@ class DraftError(RuntimeError):
 
 
 class DraftClient:
-    def __init__(self, endpoint: str, timeout_s: float = 60.0, context: Optional[zmq.Context] = None):
-        self.endpoint, self.timeout_s = endpoint, timeout_s
+    def __init__(self, endpoint: str, timeout_s: float = 60.0, context: Optional[zmq.Context] = None,
+                 alive: Optional[Callable[[], bool]] = None):
+        """``alive``: optional liveness probe of the draft (e.g. its child process); while a reply is
+        awaited it is checked every ``ALIVE_POLL_MS`` so a dead draft fails the call at once instead
+        of at the timeout."""
+        self.endpoint, self.timeout_s, self.alive = endpoint, timeout_s, alive
         self.ctx = context or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -59,9 +65,13 @@ class DraftClient:
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         while True:
             left_ms = int((deadline - time.monotonic()) * 1e3)
-            if left_ms <= 0 or not self.sock.poll(left_ms):
+            if left_ms <= 0:
                 raise DraftTimeout(f"no reply to request {req_id} from {self.endpoint} within "
                                    f"{self.timeout_s if timeout_s is None else timeout_s} s")
+            if not self.sock.poll(left_ms if self.alive is None else min(left_ms, ALIVE_POLL_MS)):
+                if self.alive is not None and not self.alive():
+                    raise DraftError(f"the draft process behind {self.endpoint} is gone")
+                continue
             frames = [f.buffer for f in self.sock.recv_multipart(copy=False)]
             try:
                 msg = decode(frames)

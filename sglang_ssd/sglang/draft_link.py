@@ -98,7 +98,8 @@ class DraftLink:
                 self._spawn()
             if self.client is not None:
                 self.client.close()
-            self.client = self._client_cls(self.endpoint, timeout_s=self.cfg.draft_timeout_s)
+            self.client = self._client_cls(self.endpoint, timeout_s=self.cfg.draft_timeout_s,
+                                           alive=self._alive if self.spawn else None)
             # at startup wait for the draft to load; later (serving) try once, briefly: rounds keep
             # decoding with the target alone meanwhile, and the next try comes after a backoff
             deadline = time.monotonic() + (self.cfg.startup_timeout_s if startup else 0.0)
@@ -127,6 +128,9 @@ class DraftLink:
             self._next_retry = time.monotonic() + self._backoff
             self._backoff = min(self._backoff * 2, 30.0)
             return False
+
+    def _alive(self) -> bool:
+        return self.proc is None or self.proc.poll() is None
 
     def _fail(self, exc: Exception) -> None:
         self.stats.errors += 1
@@ -161,7 +165,7 @@ class DraftLink:
             self.client_ok = True
         rids = [r.rid for r in reqs]
         try:
-            if self.spawn and self.proc is not None and self.proc.poll() is not None:
+            if self.spawn and not self._alive():
                 raise RuntimeError(f"draft process exited with code {self.proc.returncode}")
             self._release_departed(set(rids))
             ks, bonuses, new_rids, new_prompts, new_temps = [], [], [], [], []

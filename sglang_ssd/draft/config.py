@@ -78,7 +78,14 @@ class ModelConfig:
             attention_bias=bool(hf.get("attention_bias", mt == "qwen2")),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=(mt == "qwen3"),
+            # reduced output head (sglang-ssd drafts): logits only over `ssd_head_vocab` token ids stored in
+            # the checkpoint as `head_ids`; every other token has probability exactly 0 under the draft
+            extra={"ssd_head_vocab": int(hf["ssd_head_vocab"])} if hf.get("ssd_head_vocab") else {},
         )
+
+    @property
+    def head_vocab(self) -> Optional[int]:
+        return self.extra.get("ssd_head_vocab")
 
     def inv_freq(self) -> torch.Tensor:
         """RoPE inverse frequencies (float32, [head_dim/2]), exactly as transformers computes them."""

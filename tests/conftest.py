@@ -20,4 +20,11 @@ def target_path() -> str:
 
 @pytest.fixture(scope="session")
 def draft_path() -> str:
+    """The trained draft (2 layers, reduced head): the default."""
     return _prepared(paths.draft_path())
+
+
+@pytest.fixture(scope="session")
+def lens_draft_path() -> str:
+    """The correctness-grade draft (22 target layers + tuned-lens head), a plain transformers checkpoint."""
+    return _prepared(paths.lens_draft_path())

@@ -10,6 +10,9 @@ draft model            ``--speculative-draft-model-path``          (required)
 K (drafts per round)   ``--speculative-num-steps``                 4
 fan_out (per depth)    ``SGLANG_SSD_CONFIG["fan_out"]``            3 (uniform; B = F*(K+1))
 mode                   ``SGLANG_SSD_CONFIG["mode"]``               "async" (SSD); "sync" = SD
+saguaro_c              ``SGLANG_SSD_CONFIG["saguaro_c"]``          1.0 (Saguaro sampling C in (0, 1];
+                                                                   per request: sampling_params
+                                                                   custom_params {"saguaro_c": C})
 draft_device           ``SGLANG_SSD_CONFIG["draft_device"]``       "cpu" / "cuda:1" on GPU
 draft_endpoint         ``SGLANG_SSD_CONFIG["draft_endpoint"]``     null = a fresh ipc:// path
 spawn_draft            ``SGLANG_SSD_CONFIG["spawn_draft"]``        true: start the draft process
@@ -53,6 +56,7 @@ class SaguaroConfig:
     num_spec_tokens: int = 4
     fan_out: list[int] = field(default_factory=list)  # len K+1 after validation
     mode: str = "async"
+    saguaro_c: float = 1.0
     draft_device: str = "cpu"
     draft_endpoint: Optional[str] = None
     spawn_draft: bool = True
@@ -97,6 +101,8 @@ class SaguaroConfig:
         self.fan_out = _fan_out_list(self.fan_out, k)
         if self.mode not in MODES:
             raise SaguaroConfigError(f"{ENV_VAR} key 'mode' must be one of {MODES}, got {self.mode!r}")
+        if check_saguaro_c(self.saguaro_c) is None:
+            raise SaguaroConfigError(f"{ENV_VAR} key 'saguaro_c' must be a number in (0, 1], got {self.saguaro_c!r}")
         if not (self.draft_device == "cpu" or self.draft_device.startswith("cuda")):
             raise SaguaroConfigError(
                 f"{ENV_VAR} key 'draft_device' must be 'cpu' or 'cuda[:N]', got {self.draft_device!r}")
@@ -132,6 +138,13 @@ class SaguaroConfig:
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+def check_saguaro_c(v: Any) -> Optional[float]:
+    """A valid Saguaro sampling C (a number in (0, 1]) as float, else None."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < float(v) <= 1.0:
+        return None
+    return float(v)
 
 
 def load_env_config(env) -> dict:

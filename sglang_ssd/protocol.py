@@ -23,7 +23,7 @@ import msgpack
 import numpy as np
 
 MAGIC = "sglang-ssd"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Prefill carries per-request Saguaro sampling C
 MAX_HEADER_BYTES = 4 << 20        # msgpack header frame
 MAX_FRAME_BYTES = 1 << 30         # any array frame (q of a large batch is the big one)
 MAX_BATCH = 4096                  # rows per Prefill / Speculate / Release
@@ -301,19 +301,23 @@ class HelloReply(Message):
 @dataclass
 class Prefill(Message):
     """Start requests: the draft computes KV for every prompt token.  Prompts travel as one int64
-    array plus lengths; an existing rid is replaced."""
+    array plus lengths; an existing rid is replaced.  saguaro_c: per request Saguaro sampling C in
+    (0, 1] (1 = plain sampling; empty = all 1)."""
 
     TYPE: ClassVar[str] = "prefill"
     HEADER: ClassVar = ("rids",)
-    ARRAYS: ClassVar = {"tokens": ("<i8", 1), "lens": ("<i8", 1), "temperatures": ("<f8", 1)}
+    ARRAYS: ClassVar = {"tokens": ("<i8", 1), "lens": ("<i8", 1), "temperatures": ("<f8", 1),
+                        "saguaro_c": ("<f8", 1)}
     rids: list[str]
     prompts: list[list[int]]
     temperatures: list[float]
+    saguaro_c: list[float] = field(default_factory=list)
 
     def _arrays(self):
         return {"tokens": np.asarray([t for p in self.prompts for t in p], dtype=np.int64).reshape(-1),
                 "lens": np.asarray([len(p) for p in self.prompts], dtype=np.int64).reshape(-1),
-                "temperatures": np.asarray(self.temperatures, dtype=np.float64).reshape(-1)}
+                "temperatures": np.asarray(self.temperatures, dtype=np.float64).reshape(-1),
+                "saguaro_c": np.asarray(self.saguaro_c, dtype=np.float64).reshape(-1)}
 
     @classmethod
     def _build(cls, f, a, req_id):
@@ -336,6 +340,12 @@ class Prefill(Message):
             if min(p) < 0 or max(p) >= MAX_VOCAB:
                 raise _fail(f"prompts[{i}]", "token id out of range")
         self.temperatures = _float_list(self.temperatures, "temperatures")
+        if len(self.saguaro_c) == 0:
+            self.saguaro_c = [1.0] * len(self.rids)
+        _same_len("rids", len(self.rids), saguaro_c=self.saguaro_c)
+        self.saguaro_c = _float_list(self.saguaro_c, "saguaro_c")
+        if any(not 0.0 < c <= 1.0 for c in self.saguaro_c):
+            raise _fail("saguaro_c", "every C must be in (0, 1]")
 
 
 @dataclass

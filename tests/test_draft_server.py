@@ -24,6 +24,7 @@ from sglang_ssd.draft.server import DraftServer
 from sglang_ssd.protocol import (PROTOCOL_VERSION, Health, HealthReply, Hello, Prefill, Release, Speculate,
                                  decode)
 from sglang_ssd.saguaro.proposal import dequantize_proposal
+from sglang_ssd.saguaro.saguaro_sampling import saguaro_probs
 from tests.tiny_models import greedy_reference, make_tiny_model, next_logits
 
 torch.set_num_threads(1)
@@ -49,12 +50,13 @@ def runner(model_dir):
 class Target:
     """The verifier's side of the conversation: tracks each request's context and last speculation."""
 
-    def __init__(self, engine: DraftEngine, temps: dict[str, float]):
+    def __init__(self, engine: DraftEngine, temps: dict[str, float], cs: dict[str, float] | None = None):
         self.e, self.temps = engine, temps
         self.ctx = {r: list(p) for r, p in PROMPTS.items()}
         self.spec: dict[str, list[int]] = {}
         self.round = 0
-        engine.prefill(Prefill(list(PROMPTS), list(PROMPTS.values()), [temps[r] for r in PROMPTS]))
+        engine.prefill(Prefill(list(PROMPTS), list(PROMPTS.values()), [temps[r] for r in PROMPTS],
+                               [(cs or {}).get(r, 1.0) for r in PROMPTS]))
 
     def step(self, outcomes: dict[str, tuple[int, int]]):
         rids = list(outcomes)
@@ -109,11 +111,14 @@ def check_cache_greedy(runner, e: DraftEngine, t: Target, rid: str) -> None:
         assert entry.tokens.tolist() == greedy_reference(runner, ctx + spec[:j] + [b], K), (rid, j, b)
 
 
-def check_q(runner, ctx: list[int], toks: list[int], q16, temp: float) -> None:
-    """q row t == softmax(z_t / T) of a sequential recomputation (fp16 rounding), token drawn from it."""
+def check_q(runner, ctx: list[int], toks: list[int], q16, temp: float, fs=None, c: float = 1.0) -> None:
+    """q row t == softmax(z_t / T) of a sequential recomputation (fp16 rounding), token drawn from it;
+    with Saguaro sampling, sigma_{F_t, C} of it (F_t = fs[t])."""
     q = dequantize_proposal(torch.as_tensor(np.asarray(q16)))
     for i, tok in enumerate(toks):
         ref = torch.softmax(next_logits(runner, ctx + toks[:i]) / temp, -1)
+        if fs is not None:
+            ref = saguaro_probs(ref[None], fs[i], c)[0]
         torch.testing.assert_close(q[i], ref, atol=1e-5, rtol=2e-3)  # fp16: 2^-11 relative
         assert q[i, tok] > 0
 
@@ -166,6 +171,37 @@ def test_async_sampled_q_matches_sequential_softmax(runner):
                 check_q(runner, t.ctx[r] + t.spec[r][:j] + [b], entry.tokens.tolist(), entry.q16, temps[r])
         outcomes = {r: pick_outcome(rng, e, r, t.spec[r])[0] for r in PROMPTS}
     assert n_hit >= 1
+
+
+def test_saguaro_sampling_q_is_sigma_of_softmax_on_every_path(runner):
+    """Per-request C: backup rows are drawn from sigma_{F,C} with F = fan_out_miss[t], cached (hit) rows
+    with F = fan_out[t]; C = 1 rows stay plain softmax; the q sent is exactly the one sampled from."""
+    temps = {"r0": 1.0, "r1": 0.7, "r2": 1.0}
+    cs = {"r0": 0.5, "r1": 0.2, "r2": 1.0}
+    e = DraftEngine(runner, seed=3)
+    e.hello(Hello(PROTOCOL_VERSION, "t", K, "async", FAN, V, [1], FAN_MISS))
+    t = Target(e, temps, cs)
+    assert [e.requests[r].saguaro_c for r in PROMPTS] == [0.5, 0.2, 1.0]
+    rng = random.Random(3)
+    outcomes = {r: (-1, 3) for r in PROMPTS}
+    seen = set()
+    for rnd in range(5):
+        rids, reply = t.step(outcomes)
+        for i, r in enumerate(rids):
+            fs = FAN if reply.hit[i] else FAN_MISS
+            seen.add(bool(reply.hit[i]))
+            check_q(runner, t.ctx[r], t.spec[r], reply.q_for_row(i), temps[r], fs, cs[r])
+            for j, b in e.cache.keys(r):
+                entry = e.cache.peek(r, j, b)
+                check_q(runner, t.ctx[r] + t.spec[r][:j] + [b], entry.tokens.tolist(), entry.q16, temps[r],
+                        FAN, cs[r])
+        outcomes = {r: pick_outcome(rng, e, r, t.spec[r], "hit" if rnd % 2 == 0 else "miss")[0] for r in PROMPTS}
+    assert seen == {True, False}
+    # sync mode ignores C (no cache to steer the bonus towards)
+    e2 = DraftEngine(runner, seed=3)
+    e2.hello(Hello(PROTOCOL_VERSION, "t", K, "sync", FAN, V))
+    Target(e2, temps, cs)
+    assert all(st.saguaro_c == 1.0 for st in e2.requests.values())
 
 
 def test_sync_mode_is_plain_sd(runner):

@@ -102,6 +102,25 @@ def test_config_dataclass(draft_path, tmp_path):
     assert SaguaroConfig.from_sources(draft_path, 4, env={"SGLANG_SSD_CONFIG": str(path)}).fan_out == [4, 3, 2, 1, 1]
     for env, key in [('{"nope": 1}', "unknown key"), ("[1]", "JSON object"), ("{bad", "not valid JSON"),
                      ('{"draft_endpoint": "http://x"}', "draft_endpoint"), ('{"fan_out": 0}', "at least one"),
-                     ('{"draft_timeout_s": -1}', "draft_timeout_s")]:
+                     ('{"draft_timeout_s": -1}', "draft_timeout_s"), ('{"saguaro_c": 0}', "saguaro_c"),
+                     ('{"saguaro_c": 1.5}', "saguaro_c"), ('{"saguaro_c": true}', "saguaro_c")]:
         with pytest.raises(SaguaroConfigError, match=key):
             SaguaroConfig.from_sources(draft_path, 4, env={"SGLANG_SSD_CONFIG": env})
+
+
+def test_saguaro_c_server_default_and_per_request_override(draft_path):
+    """C comes from SGLANG_SSD_CONFIG; a request overrides it with custom_params {"saguaro_c": C};
+    an invalid override falls back to the server's value (and is logged)."""
+    from types import SimpleNamespace
+
+    from sglang_ssd.sglang.draft_link import DraftLink
+
+    cfg = SaguaroConfig.from_sources(draft_path, 4, env={"SGLANG_SSD_CONFIG": '{"saguaro_c": 0.8}'})
+    assert cfg.saguaro_c == 0.8
+    link = SimpleNamespace(cfg=cfg)
+    req = lambda custom: SimpleNamespace(rid="r", sampling_params=SimpleNamespace(custom_params=custom))
+    assert DraftLink._saguaro_c(link, req(None)) == 0.8
+    assert DraftLink._saguaro_c(link, req({"saguaro_c": 0.5})) == 0.5
+    assert DraftLink._saguaro_c(link, req({"saguaro_c": 1})) == 1.0
+    for bad in (0, -1, 2, "0.5", None, True):
+        assert DraftLink._saguaro_c(link, req({"saguaro_c": bad})) == 0.8

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_ssd import protocol as P
-from sglang_ssd.protocol import (Ack, ErrorReply, Health, HealthReply, Hello, HelloReply, Prefill,
+from sglang_ssd.protocol import (PROTOCOL_VERSION, Ack, ErrorReply, Health, HealthReply, Hello, HelloReply, Prefill,
                                  ProtocolError, Release, Shutdown, Speculate, SpecReply, decode, peek_req_id)
 
 
@@ -82,7 +82,7 @@ def _with_header(frames, **changes):
 
 
 @pytest.mark.parametrize("mutate, match", [
-    (lambda f: _with_header(f, version=2), "unsupported protocol version"),
+    (lambda f: _with_header(f, version=PROTOCOL_VERSION + 1), "unsupported protocol version"),
     (lambda f: _with_header(f, magic="nope"), "bad magic"),
     (lambda f: _with_header(f, type="launch_missiles"), "unknown message type"),
     (lambda f: _with_header(f, req_id=-1), "req_id"),
@@ -154,7 +154,7 @@ def test_prefill_token_buffer_consistency():
     frames = [bytes(x) for x in Prefill(["a", "b"], [[1, 2], [3]], [0.0, 0.0]).encode()]
     lens = np.array([2, 2], dtype="<i8").tobytes()   # claims 4 tokens, buffer holds 3
     with pytest.raises(ProtocolError, match="lengths"):
-        decode([frames[0], frames[1], lens, frames[3]])
+        decode([frames[0], frames[1], lens, *frames[3:]])
 
 
 def test_size_limits(monkeypatch):
@@ -215,3 +215,14 @@ def test_fuzz_mutated_valid_headers(msg, data):
     except ProtocolError:
         return
     out.encode()  # whatever passed validation must be re-encodable
+
+
+def test_prefill_saguaro_c_round_trip_and_range():
+    msg = decode([bytes(x) for x in Prefill(["a", "b"], [[1, 2], [3]], [0.7, 0.0], [0.5, 1.0]).encode()])
+    assert msg.saguaro_c == [0.5, 1.0]
+    assert decode([bytes(x) for x in Prefill(["a"], [[1]], [1.0]).encode()]).saguaro_c == [1.0]  # default
+    for bad in ([0.0], [1.5], [float("nan")]):
+        with pytest.raises(ProtocolError, match="saguaro_c"):
+            Prefill(["a"], [[1]], [1.0], bad).encode()
+    with pytest.raises(ProtocolError):
+        Prefill(["a", "b"], [[1], [2]], [1.0, 1.0], [0.5]).encode()

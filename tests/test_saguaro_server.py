@@ -76,8 +76,9 @@ def test_saguaro_equals_plain_sglang(mode, target_path, draft_path, prompts, ref
         outs = _run_concurrent(srv, prompts, {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True})
         mixed = _mixed_requests(srv, prompts)
         aborted = _abort_mid_generation(srv, prompts[0])
+        # per-request Saguaro sampling C (custom_params) travels to the draft; rows stay exact (no errors)
         sampled = _run_concurrent(srv, prompts[:4], {"temperature": 0.8, "top_p": 0.95, "max_new_tokens": 24,
-                                                     "ignore_eos": True})
+                                                     "ignore_eos": True, "custom_params": {"saguaro_c": 0.5}})
         with_logprobs = srv.generate(input_ids=prompts[0], return_logprob=True, top_logprobs_num=2,
                                      sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
         grammar = requests.post(srv.url + "/generate", timeout=120, json={

@@ -103,8 +103,10 @@ class DraftClient:
         return self.request(msg, HelloReply, timeout_s)
 
     def prefill(self, rids: Sequence[str], prompts: Sequence[Sequence[int]],
-                temperatures: Sequence[float], timeout_s: Optional[float] = None) -> Ack:
-        msg = Prefill(list(rids), [list(p) for p in prompts], [float(t) for t in temperatures])
+                temperatures: Sequence[float], timeout_s: Optional[float] = None,
+                saguaro_c: Optional[Sequence[float]] = None) -> Ack:
+        msg = Prefill(list(rids), [list(p) for p in prompts], [float(t) for t in temperatures],
+                      [float(c) for c in saguaro_c] if saguaro_c is not None else [])
         return self.request(msg, Ack, timeout_s)
 
     def speculate(self, round_id: int, rids: Sequence[str], ks: Sequence[int], bonuses: Sequence[int],

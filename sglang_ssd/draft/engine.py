@@ -123,11 +123,14 @@ class DraftEngine:
             raise EngineError("prompt token id >= vocab size", bad)
         budget = s.k + 1 + s.k * max(sum(s.fan_out), sum(s.fan_out_miss))
         states = []
-        for rid, prompt, temp in zip(msg.rids, msg.prompts, msg.temperatures):
+        cs = msg.saguaro_c or [1.0] * len(msg.rids)
+        for rid, prompt, temp, c in zip(msg.rids, msg.prompts, msg.temperatures, cs):
             if rid in self.requests:
                 logger.info("prefill replaces live request %s", rid)
             self.cache.drop(rid)
-            st = RequestState(rid, list(prompt), self.runner.new_kv(len(prompt) + budget + 1), temp)
+            # Saguaro sampling only pays through the cache: sync mode keeps plain sampling (C = 1)
+            st = RequestState(rid, list(prompt), self.runner.new_kv(len(prompt) + budget + 1), temp,
+                              saguaro_c=c if s.mode == "async" else 1.0)
             self.requests[rid] = st
             states.append(st)
         # all prompt tokens become committed KV (chunked so one forward stays bounded)
@@ -223,6 +226,10 @@ class DraftEngine:
         k_spec = self.session.k
         m, v = len(states), self.runner.vocab_size
         temps = [st.temperature for st in states]
+        cs = [st.saguaro_c for st in states]
+        # a backup-drafted speculation is cached next round with fan_out_miss: s_{t+1} is down-weighted
+        # on the top-F tokens that will be guessed as bonus if it is rejected (F = fan_out_miss[t])
+        fan_miss = self.session.fan_out_miss
         toks = torch.zeros(m, k_spec, dtype=torch.long)
         raw = torch.zeros(m, k_spec, v, dtype=torch.float32, device=self.runner.device) if keep_logits else None
         q16 = None
@@ -235,7 +242,7 @@ class DraftEngine:
             logits = torch.cat(self.runner.forward(items))
             for st, it in zip(states, items):
                 st.end_write(it.tokens.tolist())
-            tok, q = sample_rows(logits, temps, self.gen)
+            tok, q = sample_rows(logits, temps, self.gen, [fan_miss[t]] * m, cs)
             toks[:, t] = tok.cpu()
             if raw is not None:
                 raw[:, t] = logits
@@ -317,7 +324,9 @@ class DraftEngine:
             torch.zeros(len(g), k_spec, v, dtype=torch.float16, device=self.runner.device)
             if st.temperature > 0 else None for (st, _, g) in plans]
         temps = torch.cat([torch.full((len(g),), st.temperature) for st, _, g in plans])
+        cs = torch.cat([torch.full((len(g),), st.saguaro_c) for st, _, g in plans])
         sizes = [len(g) for g in inputs]
+        fan = self.session.fan_out  # a cached speculation is a hit next round: its cache uses fan_out
         for d in range(k_spec):
             items = []
             for (st, forks, _), x in zip(plans, inputs):
@@ -325,7 +334,7 @@ class DraftEngine:
                 items.append(ForwardItem(st.kv, x, tree_positions(p, forks, d), tree_slots(p, k_spec, b, d),
                                          tree_kv_len(p, k_spec, b, d), tree_mask(p, k_spec, forks, d), b))
             logits = torch.cat(self.runner.forward(items))
-            tok, q = sample_rows(logits, temps, self.gen)
+            tok, q = sample_rows(logits, temps, self.gen, torch.full((len(temps),), fan[d]), cs)
             inputs = list(torch.split(tok.cpu(), sizes))
             qs = torch.split(q, sizes) if q is not None else [None] * len(plans)
             for r in range(len(plans)):

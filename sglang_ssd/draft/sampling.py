@@ -13,29 +13,40 @@ from typing import Optional, Sequence
 import torch
 
 from sglang_ssd.saguaro.proposal import dequantize_proposal, quantize_proposal
+from sglang_ssd.saguaro.saguaro_sampling import saguaro_probs_rows
 
 
-def proposal_wire(logits: torch.Tensor, temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def proposal_wire(logits: torch.Tensor, temperatures: torch.Tensor, fs: Optional[torch.Tensor] = None,
+                  cs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [n, V], temperatures [n] (> 0) -> (q float32 [n, V] to sample from, q16 float16 wire copy).
 
-    Same arithmetic as proposal_from_logits: softmax(logits.float() / T.clamp_min(1e-6))."""
+    Same arithmetic as proposal_from_logits: softmax(logits.float() / T.clamp_min(1e-6)), then, for rows
+    with Saguaro sampling (C_i < 1, F_i > 0), sigma_{F_i,C_i} (saguaro_sampling.py) before quantising."""
     t = temperatures.to(device=logits.device, dtype=torch.float32).unsqueeze(-1)
     probs = torch.softmax(logits.float() / t.clamp_min(1e-6), dim=-1)
+    if cs is not None and fs is not None:
+        probs = saguaro_probs_rows(probs, fs, cs)
     q16 = quantize_proposal(probs)
     return dequantize_proposal(q16), q16
 
 
 def sample_rows(logits: torch.Tensor, temperatures: Sequence[float] | torch.Tensor,
-                generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                generator: Optional[torch.Generator] = None, fs: Optional[Sequence[int] | torch.Tensor] = None,
+                cs: Optional[Sequence[float] | torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """logits [n, V] float32 -> (tokens [n] long, q16 [n, V] float16 or None if every row is greedy).
 
-    Rows with temperature <= 0 take the argmax of the raw logits and keep a zero q16 row."""
+    Rows with temperature <= 0 take the argmax of the raw logits and keep a zero q16 row (Saguaro
+    sampling has no effect at temperature 0).  fs/cs (per row): Saguaro sampling sigma_{F,C}."""
     temps = torch.as_tensor(temperatures, dtype=torch.float32, device=logits.device).reshape(-1)
     tokens = logits.argmax(dim=-1)
     sampled = (temps > 0).nonzero().squeeze(-1)
     if sampled.numel() == 0:
         return tokens, None
-    q, q16_rows = proposal_wire(logits[sampled], temps[sampled])
+    sf = sc = None
+    if fs is not None and cs is not None:
+        sf = torch.as_tensor(fs, dtype=torch.long).reshape(-1)[sampled.cpu()]
+        sc = torch.as_tensor(cs, dtype=torch.float32).reshape(-1)[sampled.cpu()]
+    q, q16_rows = proposal_wire(logits[sampled], temps[sampled], sf, sc)
     tokens[sampled] = torch.multinomial(q, 1, generator=generator).squeeze(-1)
     q16 = torch.zeros(logits.shape, dtype=torch.float16, device=logits.device)
     q16[sampled] = q16_rows

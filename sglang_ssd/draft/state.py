@@ -21,6 +21,7 @@ class RequestState:
     tokens: list[int]                         # C: all known tokens; tokens[-1] is the root
     kv: RequestKV
     temperature: float = 0.0
+    saguaro_c: float = 1.0                    # Saguaro sampling C for this request's proposals
     written: list[int] = field(default_factory=list)
     kv_valid: int = 0                         # == common_prefix(written, tokens), kept incrementally
     last_spec: Optional[list[int]] = None     # the K tokens last sent for this rid

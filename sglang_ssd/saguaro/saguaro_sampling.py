@@ -52,6 +52,28 @@ def saguaro_probs(probs: torch.Tensor, f: int, c: float) -> torch.Tensor:
     return w / w.sum(dim=-1, keepdim=True)
 
 
+def saguaro_probs_rows(probs: torch.Tensor, f: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Per-row sigma_{F_i,C_i} of probs [n, V] (f [n] ints >= 0, c [n] in (0, 1]).  Rows with C = 1 or
+    F = 0 are returned bit-identical (the same rule as saguaro_probs, row by row)."""
+    f = torch.as_tensor(f, dtype=torch.long, device=probs.device).reshape(-1)
+    c = torch.as_tensor(c, dtype=torch.float32, device=probs.device).reshape(-1)
+    if bool(((c <= 0) | (c > 1) | torch.isnan(c)).any()) or bool((f < 0).any()):
+        raise ValueError("saguaro_probs_rows: need F >= 0 and C in (0, 1]")
+    active = (c < 1) & (f > 0) & (f < probs.shape[-1])
+    if not bool(active.any()):
+        return probs
+    rows = active.nonzero().squeeze(-1)
+    sub = probs[rows]
+    fmax = int(f[rows].max())
+    order = torch.sort(sub, dim=-1, descending=True, stable=True).indices[:, :fmax]  # ties -> lower id
+    keep = torch.arange(fmax, device=probs.device)[None, :] < f[rows][:, None]       # first F_i per row
+    top = torch.zeros_like(sub, dtype=torch.bool).scatter(-1, order, keep)
+    w = torch.where(top, sub * c[rows][:, None], sub)
+    out = probs.clone()
+    out[rows] = w / w.sum(dim=-1, keepdim=True)
+    return out
+
+
 def saguaro_proposal_wire(logits: torch.Tensor, temperatures: torch.Tensor | float, f: int,
                           c: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft side: logits [..., V] -> (q float32 to sample from, q16 float16 to send).

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from sglang_ssd.config import SaguaroConfig
+from sglang_ssd.config import SaguaroConfig, check_saguaro_c
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class DraftLink:
             if self.spawn and not self._alive():
                 raise RuntimeError(f"draft process exited with code {self.proc.returncode}")
             self._release_departed(set(rids))
-            ks, bonuses, new_rids, new_prompts, new_temps = [], [], [], [], []
+            ks, bonuses, new_rids, new_prompts, new_temps, new_cs = [], [], [], [], [], []
             for r, temp in zip(reqs, temperatures):
                 known = len(r.origin_input_ids) + len(r.output_ids)
                 st = self.states.get(r.rid)
@@ -179,11 +179,12 @@ class DraftLink:
                     new_rids.append(r.rid)
                     new_prompts.append(list(r.origin_input_ids) + list(r.output_ids[:-1]))
                     new_temps.append(temp)
+                    new_cs.append(self._saguaro_c(r))
                     k = -1
                 ks.append(k)
                 bonuses.append(int(r.output_ids[-1]))
             if new_rids:
-                self.client.prefill(new_rids, new_prompts, new_temps)
+                self.client.prefill(new_rids, new_prompts, new_temps, saguaro_c=new_cs)
             self.round_id += 1
             reply = self.client.speculate(self.round_id, rids, ks, bonuses, temperatures)
             tokens = torch.as_tensor(reply.tokens, dtype=torch.int64).reshape(bs, self.k)
@@ -208,6 +209,18 @@ class DraftLink:
         self.stats.wait_s += wait
         self.stats.hits += int(hit.sum())
         return Proposal(tokens, q16, q_valid, torch.full((bs,), self.k, dtype=torch.int64), hit, wait)
+
+    def _saguaro_c(self, req) -> float:
+        """Per-request Saguaro sampling C: sampling_params.custom_params["saguaro_c"], else the server's."""
+        custom = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
+        if "saguaro_c" not in custom:
+            return self.cfg.saguaro_c
+        c = check_saguaro_c(custom["saguaro_c"])
+        if c is None:
+            logger.warning("request %s: custom_params saguaro_c=%r is not in (0, 1]; using the server's %.3g",
+                           req.rid, custom["saguaro_c"], self.cfg.saguaro_c)
+            return self.cfg.saguaro_c
+        return c
 
     def _outcome(self, st: Optional[_ReqState], req, known: int) -> Optional[int]:
         """k for the last proposal, checked against what SGLang committed; None = out of sync."""

@@ -1,0 +1,177 @@
+"""Statistical exactness of the whole speculative loop, per path (issue 5, section 4).
+
+A small-vocabulary pair (V = 8; random target and draft of different seeds) runs the real draft engine
+(cache build, tree decode, backup decode, Saguaro sampling) and the real verifier (target_probs +
+verify_chain) for thousands of independent requests.  Protocol per request:
+  1. the draft is prefilled with the prompt and speculates once (its cache is then built);
+  2. x1 is drawn from the target directly (a max_accept = 0 round, as in a fallback round);
+  3. the draft is told the outcome (k = 0, bonus = x1) and speculation continues until x2, x3 exist.
+Path "hit" (async, fan-out covering every outcome): every round from step 3 on comes from the cache
+(samples where x1 equals the rejected draft s1 are the engine's odd miss and are dropped; that conditions
+on x1 only, so the conditional law of (x2, x3) given x1 is unaffected).  Path "backup": sync mode, every
+round drafted just in time.  Path "saguaro": C = 0.5 with top-2 fan-out (sigma needs F < V), so cache hits
+and backup rounds mix; every sample is kept.
+For each x1, the counts of (x2, x3) are compared with the exact target law by enumeration (G-test, cells
+with expected count < 5 pooled); the G statistics and degrees of freedom add up over x1.  Seeds are fixed.
+Negative controls: the same test must reject a verifier that uses the unmodified q with Saguaro sampling,
+and one that accepts sampled drafts greedily.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sglang_ssd.draft.engine import DraftEngine
+from sglang_ssd.draft.runner import DraftRunner, ForwardItem
+from sglang_ssd.protocol import PROTOCOL_VERSION, Hello, Prefill, Speculate
+from sglang_ssd.saguaro.proposal import dequantize_proposal
+from sglang_ssd.saguaro.target_dist import target_probs
+from sglang_ssd.saguaro.verify import verify_chain
+from tests.tiny_models import make_tiny_model
+
+V, K = 8, 2
+PROMPT = [3, 5, 2, 6]
+N = 4000
+P_MIN = 1e-3          # exact paths must pass at this level (fixed seeds: deterministic)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    torch.set_num_threads(1)
+    target = DraftRunner.from_dir(make_tiny_model(vocab_size=V, seed=21, std=0.2))
+    draft = DraftRunner.from_dir(make_tiny_model(vocab_size=V, seed=22, std=0.2))
+    return target, draft
+
+
+def _probs(runner, contexts: list[list[int]], n_last: int, temp: float) -> torch.Tensor:
+    """Target law p [B, n_last, V] at the last n_last positions of each context (fresh KV)."""
+    items = [ForwardItem.extend(runner.new_kv(len(c) + 1), c, 0, n_last) for c in contexts]
+    z = torch.stack(runner.forward(items))                                     # [B, n_last, V]
+    b = len(contexts) * n_last
+    one = torch.ones(b)
+    return target_probs(z.reshape(b, V), one * temp, one, torch.full((b,), -1, dtype=torch.long),
+                        torch.zeros(b)).view(len(contexts), n_last, V)
+
+
+def exact_conditional(target, temp: float) -> torch.Tensor:
+    """P[x1, x2, x3] / P[x1] = p(x2 | x1) p(x3 | x1 x2), by enumeration: [V, V, V]."""
+    out = torch.zeros(V, V, V, dtype=torch.float64)
+    for x1 in range(V):
+        p2 = _probs(target, [PROMPT + [x1]], 1, temp)[0, 0].double()
+        p3 = _probs(target, [PROMPT + [x1, x2] for x2 in range(V)], 1, temp)[:, 0].double()
+        out[x1] = p2[:, None] * p3
+    return out
+
+
+def run(pair, path: str, temp: float, seed: int, broken: str = "") -> tuple[torch.Tensor, float]:
+    """-> counts [V, V, V] of (x1, x2, x3) over the kept samples, and the fraction of rounds that hit."""
+    target, draft = pair
+    mode = "sync" if path == "backup" else "async"
+    full = [V] * (K + 1)                 # every outcome cached (forks cap at V - 1 where s_{j+1} is excluded)
+    c = 0.5 if path == "saguaro" else 1.0
+    if path == "saguaro":                # sigma needs F < V: top-2 cached, so hits and backups mix
+        full = [2] * (K + 1)
+    e = DraftEngine(draft, seed=seed, max_batch=N)
+    e.hello(Hello(PROTOCOL_VERSION, "stat", K, mode, full, V, [], full))
+    rids = [f"r{i}" for i in range(N)]
+    e.prefill(Prefill(rids, [PROMPT[:-1]] * N, [temp] * N, [c] * N))
+    g = torch.Generator().manual_seed(seed + 7919)  # the verifier's randomness is independent of the draft's
+    rnd = 0
+    first = e.speculate(Speculate(rnd, rids, [-1] * N, [PROMPT[-1]] * N, [temp] * N))
+    s1 = first.tokens[:, 0].tolist()
+    if mode == "async":
+        e.build_cache()
+    # step 2: x1 straight from the target (a max_accept = 0 round)
+    x1 = torch.multinomial(_probs(target, [PROMPT], 1, temp)[0, 0].expand(N, V), 1, generator=g).squeeze(1).tolist()
+    ctx = {r: PROMPT + [x] for r, x in zip(rids, x1)}
+    outcome = {r: (0, x) for r, x in zip(rids, x1)}
+    live, late_misses, rounds, hits = list(rids), 0, 0, 0
+    missed = set()
+    while live:
+        rnd += 1
+        reply = e.speculate(Speculate(rnd, live, [outcome[r][0] for r in live], [outcome[r][1] for r in live],
+                                      [temp] * len(live)))
+        if mode == "async":
+            e.build_cache()
+        missed.update(r for r, h in zip(live, reply.hit) if not h)
+        hits += int(reply.hit.sum())
+        if rnd > 1:
+            late_misses += int((~reply.hit).sum())
+        rounds += len(live)
+        drafts = torch.as_tensor(reply.tokens)
+        q = torch.zeros(len(live), K, V, dtype=torch.float16)
+        q[torch.as_tensor(reply.q_rows)] = torch.as_tensor(reply.q)
+        if broken == "plain_q":          # forget sigma: verify against softmax of the draft's own logits
+            q = torch.stack([_probs(draft, [ctx[r] + drafts[i, :K - 1].tolist()], K, temp)[0]
+                             for i, r in enumerate(live)]).half()
+        p = _probs(target, [ctx[r] + drafts[i].tolist() for i, r in enumerate(live)], K + 1, temp)
+        greedy = torch.full((len(live),), broken == "greedy_accept")
+        n_acc, out = verify_chain(p, drafts, dequantize_proposal(q), greedy, generator=g)
+        nxt = []
+        for i, r in enumerate(live):
+            new = out[i, : int(n_acc[i])].tolist()
+            ctx[r] += new
+            outcome[r] = (int(n_acc[i]) - 1, new[-1])
+            if len(ctx[r]) < len(PROMPT) + 3:
+                nxt.append(r)
+        live = nxt
+    pure = path == "hit"
+    # hit path: only step 3 can miss, and only through the odd outcome x1 == s1 (conditions on x1 only)
+    assert not pure or (late_misses == 0 and missed == {r for r, a, b in zip(rids, x1, s1) if a == b})
+    keep = [r for r in rids if not pure or r not in missed]
+    counts = torch.zeros(V, V, V, dtype=torch.float64)
+    for r in keep:
+        a, b, cc = ctx[r][len(PROMPT): len(PROMPT) + 3]
+        counts[a, b, cc] += 1
+    return counts, hits / max(rounds, 1)
+
+
+def g_test(counts: torch.Tensor, cond: torch.Tensor) -> float:
+    """p-value of the summed per-x1 G-tests of (x2, x3) counts against the exact conditional law."""
+    g_sum, df = 0.0, 0
+    for x1 in range(V):
+        n = counts[x1].sum().item()
+        if n < 20:
+            continue
+        obs, exp = counts[x1].flatten(), cond[x1].flatten() * n
+        order = exp.argsort()
+        small = exp[order] < 5               # pool the rare cells into one
+        o = torch.cat([obs[order][~small], obs[order][small].sum().view(1)])
+        ex = torch.cat([exp[order][~small], exp[order][small].sum().view(1)])
+        if ex[-1] == 0:
+            o, ex = o[:-1], ex[:-1]
+        nz = o > 0
+        g_sum += 2.0 * float((o[nz] * torch.log(o[nz] / ex[nz])).sum())
+        df += len(o) - 1
+    return chi2_sf(g_sum, df)
+
+
+def chi2_sf(x: float, k: int) -> float:
+    """Survival function of chi-square(k) (Wilson-Hilferty; accurate to ~1e-3 relative for k >= 10)."""
+    z = ((x / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+@pytest.mark.parametrize("path, temp", [("hit", 1.0), ("hit", 0.7), ("backup", 1.0), ("backup", 0.7),
+                                         ("saguaro", 1.0), ("saguaro", 0.7)])
+def test_output_law_is_the_targets(pair, path, temp):
+    counts, hit_rate = run(pair, path, temp, seed=7)
+    if path == "backup":
+        assert hit_rate == 0.0
+    elif path == "hit":
+        assert hit_rate > 0.85, hit_rate    # the path under test really is the cache
+    else:
+        assert 0.2 < hit_rate < 0.95, hit_rate  # sigma on both cached and backup speculations
+    assert counts.sum() > 0.75 * N
+    p = g_test(counts, exact_conditional(pair[0], temp))
+    assert p > P_MIN, f"{path} T={temp}: G-test p = {p:.2e}"
+
+
+@pytest.mark.parametrize("broken, path", [("plain_q", "saguaro"), ("greedy_accept", "hit")])
+def test_negative_controls_are_detected(pair, broken, path):
+    counts, _ = run(pair, path, 1.0, seed=7, broken=broken)
+    p = g_test(counts, exact_conditional(pair[0], 1.0))
+    assert p < 1e-6, f"broken verifier ({broken}) not detected: p = {p:.2e}"

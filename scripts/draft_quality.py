@@ -44,7 +44,7 @@ from sglang_ssd.draft.runner import DraftRunner, ForwardItem  # noqa: E402
 
 log = logging.getLogger("draft_quality")
 RESULTS = HERE.parent / "results"
-KS, FS = (2, 3, 4, 5, 6), (1, 2, 3, 4)
+KS, FS = (3, 4, 5), (1, 2, 3, 4)
 
 
 # ----------------------------------------------------------------------------------------------- costs
@@ -122,7 +122,7 @@ def rounds_greedy(pp: list[dict], k: int, f: int) -> tuple[float, float]:
     return tokens / n, hits / n
 
 
-def rounds_sampled(pp: list[dict], k: int, f: int, draws: int = 4, seed: int = 0) -> tuple[float, float]:
+def rounds_sampled(pp: list[dict], k: int, f: int, draws: int = 2, seed: int = 0) -> tuple[float, float]:
     """Monte Carlo T=1 rounds: speculative sampling with q, bonus from the residual (or p after K accepts)."""
     g = torch.Generator().manual_seed(seed)
     tokens, hits, n = 0, 0, 0

@@ -10,6 +10,9 @@ draft model            ``--speculative-draft-model-path``          (required)
 K (drafts per round)   ``--speculative-num-steps``                 4
 fan_out (per depth)    ``SGLANG_SSD_CONFIG["fan_out"]``            3 (uniform; B = F*(K+1))
 mode                   ``SGLANG_SSD_CONFIG["mode"]``               "async" (SSD); "sync" = SD
+backup                 ``SGLANG_SSD_CONFIG["backup"]``             "neural" (draft decodes just in time);
+                                                                   "fast" (n-gram / random tokens);
+                                                                   "auto" (by batch size, Cor. 16)
 saguaro_c              ``SGLANG_SSD_CONFIG["saguaro_c"]``          1.0 (Saguaro sampling C in (0, 1];
                                                                    per request: sampling_params
                                                                    custom_params {"saguaro_c": C})
@@ -57,6 +60,7 @@ class SaguaroConfig:
     fan_out: list[int] = field(default_factory=list)  # len K+1 after validation
     mode: str = "async"
     saguaro_c: float = 1.0
+    backup: str = "neural"
     draft_device: str = "cpu"
     draft_endpoint: Optional[str] = None
     spawn_draft: bool = True
@@ -101,6 +105,8 @@ class SaguaroConfig:
         self.fan_out = _fan_out_list(self.fan_out, k)
         if self.mode not in MODES:
             raise SaguaroConfigError(f"{ENV_VAR} key 'mode' must be one of {MODES}, got {self.mode!r}")
+        if self.backup not in ("neural", "fast", "auto"):
+            raise SaguaroConfigError(f"{ENV_VAR} key 'backup' must be 'neural', 'fast' or 'auto', got {self.backup!r}")
         if check_saguaro_c(self.saguaro_c) is None:
             raise SaguaroConfigError(f"{ENV_VAR} key 'saguaro_c' must be a number in (0, 1], got {self.saguaro_c!r}")
         if not (self.draft_device == "cpu" or self.draft_device.startswith("cuda")):

@@ -23,7 +23,8 @@ import msgpack
 import numpy as np
 
 MAGIC = "sglang-ssd"
-PROTOCOL_VERSION = 2  # 2: Prefill carries per-request Saguaro sampling C
+PROTOCOL_VERSION = 2  # 2: Prefill carries per-request Saguaro sampling C; Hello the backup kind
+BACKUPS = ("neural", "fast", "auto")
 MAX_HEADER_BYTES = 4 << 20        # msgpack header frame
 MAX_FRAME_BYTES = 1 << 30         # any array frame (q of a large batch is the big one)
 MAX_BATCH = 4096                  # rows per Prefill / Speculate / Release
@@ -251,7 +252,8 @@ class Hello(Message):
     """Session setup: the worker's config.  A new client_id (or a changed config) resets the draft."""
 
     TYPE: ClassVar[str] = "hello"
-    HEADER: ClassVar = ("version", "client_id", "k", "mode", "fan_out", "vocab_size", "eos_ids", "fan_out_miss")
+    HEADER: ClassVar = ("version", "client_id", "k", "mode", "fan_out", "vocab_size", "eos_ids", "fan_out_miss",
+                        "backup")
     version: int
     client_id: str
     k: int
@@ -260,6 +262,7 @@ class Hello(Message):
     vocab_size: int
     eos_ids: list[int] = field(default_factory=list)
     fan_out_miss: Optional[list[int]] = None  # fan-out after a backup-drafted round (default fan_out)
+    backup: str = "neural"                     # backup speculator for cache misses: neural | fast | auto
 
     def validate(self):
         self.version = _int(self.version, "version", 0, 1 << 30)
@@ -275,6 +278,8 @@ class Hello(Message):
                 setattr(self, name, fan)
         self.vocab_size = _int(self.vocab_size, "vocab_size", 1, MAX_VOCAB)
         self.eos_ids = _int_list(self.eos_ids, "eos_ids", 64, 0, self.vocab_size - 1)
+        if _str(self.backup, "backup") not in BACKUPS:
+            raise _fail("backup", f"must be one of {BACKUPS}, got {self.backup!r}")
 
 
 @dataclass

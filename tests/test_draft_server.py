@@ -480,3 +480,39 @@ def test_client_fails_at_once_when_the_draft_is_gone(tmp_path):
 
         with pytest.raises(DraftTimeout):
             client.health()
+
+
+def test_fast_backup_proposes_ngram_copies_with_their_true_q(runner):
+    """backup='fast': missed rows get prompt-lookup copies (one-hot q) or uniform random tokens (uniform q),
+    no draft forward on the critical path; 'auto' starts neural at batch 1."""
+    from sglang_ssd.saguaro.ngram import NgramSpeculator
+
+    temps = {"r0": 1.0, "r1": 0.0, "r2": 0.8}
+    e = DraftEngine(runner, seed=4)
+    e.hello(Hello(PROTOCOL_VERSION, "t", K, "sync", FAN, V, [1], None, "fast"))
+    t = Target(e, temps)
+    calls = runner.forward_calls
+    rids, reply = t.step({r: (-1, PROMPTS[r][1]) for r in PROMPTS})  # r2's prompt repeats 8: a 1-gram match
+    assert runner.forward_calls == calls
+    for i, r in enumerate(rids):
+        want, is_random = NgramSpeculator(4, 1).propose(t.ctx[r], K, V)
+        got = t.spec[r]
+        assert [g for g, rnd in zip(got, is_random) if not rnd] == [w for w, rnd in zip(want, is_random) if not rnd]
+        q = reply.q_for_row(i)
+        if temps[r] == 0:
+            assert q is None
+            continue
+        q = dequantize_proposal(torch.as_tensor(np.asarray(q)))
+        for j, rnd in enumerate(is_random):
+            if rnd:
+                assert torch.allclose(q[j], torch.full((V,), 1.0 / V))
+            else:
+                assert q[j, got[j]] == 1.0
+    assert e.health()["fast_backup_rows"] == 3 and e.health()["neural_backup_rows"] == 0
+    e2 = DraftEngine(runner, seed=4)
+    e2.hello(Hello(PROTOCOL_VERSION, "t", K, "async", FAN, V, [1], None, "auto"))
+    t2 = Target(e2, temps)
+    t2.step({r: (-1, 3) for r in PROMPTS})
+    assert e2.health()["neural_backup_rows"] == 3 and e2.backups.choose(1) == "neural"
+    with pytest.raises(Exception, match="backup"):
+        Hello(PROTOCOL_VERSION, "t", K, "sync", FAN, V, [1], None, "magic").encode()

@@ -9,7 +9,8 @@ verify_chain) for thousands of independent requests.  Protocol per request:
 Path "hit" (async, fan-out covering every outcome): every round from step 3 on comes from the cache
 (samples where x1 equals the rejected draft s1 are the engine's odd miss and are dropped; that conditions
 on x1 only, so the conditional law of (x2, x3) given x1 is unaffected).  Path "backup": sync mode, every
-round drafted just in time.  Path "saguaro": C = 0.5 with top-2 fan-out (sigma needs F < V), so cache hits
+round drafted just in time by the draft model.  Path "fast": sync mode with the n-gram / random-token
+backup (one-hot / uniform proposal rows).  Path "saguaro": C = 0.5 with top-2 fan-out (sigma needs F < V), so cache hits
 and backup rounds mix; every sample is kept.
 For each x1, the counts of (x2, x3) are compared with the exact target law by enumeration (G-test, cells
 with expected count < 5 pooled); the G statistics and degrees of freedom add up over x1.  Seeds are fixed.
@@ -69,13 +70,13 @@ def exact_conditional(target, temp: float) -> torch.Tensor:
 def run(pair, path: str, temp: float, seed: int, broken: str = "") -> tuple[torch.Tensor, float]:
     """-> counts [V, V, V] of (x1, x2, x3) over the kept samples, and the fraction of rounds that hit."""
     target, draft = pair
-    mode = "sync" if path == "backup" else "async"
+    mode = "sync" if path in ("backup", "fast") else "async"
     full = [V] * (K + 1)                 # every outcome cached (forks cap at V - 1 where s_{j+1} is excluded)
     c = 0.5 if path == "saguaro" else 1.0
     if path == "saguaro":                # sigma needs F < V: top-2 cached, so hits and backups mix
         full = [2] * (K + 1)
     e = DraftEngine(draft, seed=seed, max_batch=N)
-    e.hello(Hello(PROTOCOL_VERSION, "stat", K, mode, full, V, [], full))
+    e.hello(Hello(PROTOCOL_VERSION, "stat", K, mode, full, V, [], full, "fast" if path == "fast" else "neural"))
     rids = [f"r{i}" for i in range(N)]
     e.prefill(Prefill(rids, [PROMPT[:-1]] * N, [temp] * N, [c] * N))
     g = torch.Generator().manual_seed(seed + 7919)  # the verifier's randomness is independent of the draft's
@@ -155,11 +156,11 @@ def chi2_sf(x: float, k: int) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-@pytest.mark.parametrize("path, temp", [("hit", 1.0), ("hit", 0.7), ("backup", 1.0), ("backup", 0.7),
+@pytest.mark.parametrize("path, temp", [("hit", 1.0), ("hit", 0.7), ("backup", 1.0), ("backup", 0.7), ("fast", 1.0),
                                          ("saguaro", 1.0), ("saguaro", 0.7)])
 def test_output_law_is_the_targets(pair, path, temp):
     counts, hit_rate = run(pair, path, temp, seed=7)
-    if path == "backup":
+    if path in ("backup", "fast"):
         assert hit_rate == 0.0
     elif path == "hit":
         assert hit_rate > 0.85, hit_rate    # the path under test really is the cache

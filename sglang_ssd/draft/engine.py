@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from sglang_ssd.draft.runner import DraftRunner, ForwardItem
+from sglang_ssd.draft.backup import BackupChooser, fast_backup
 from sglang_ssd.draft.sampling import sample_rows
 from sglang_ssd.draft.spec_cache import SpecCache
 from sglang_ssd.draft.state import RequestState
@@ -47,6 +48,7 @@ class Session:
     fan_out_miss: list[int]
     vocab_size: int
     eos_ids: list[int]
+    backup: str = "neural"
 
 
 @dataclass
@@ -74,6 +76,7 @@ class DraftEngine:
         self.session: Optional[Session] = None
         self.requests: dict[str, RequestState] = {}
         self.cache = SpecCache()
+        self.backups = BackupChooser("neural")
         self.gen = torch.Generator(device=runner.device)
         self.gen.manual_seed(seed)
         self.pending: list[tuple[RequestState, Optional[torch.Tensor]]] = []
@@ -89,15 +92,16 @@ class DraftEngine:
                               f"{self.runner.vocab_size}; the draft must share the target's vocabulary")
         new = Session(msg.client_id, msg.k, msg.mode, list(msg.fan_out),
                       list(msg.fan_out_miss if msg.fan_out_miss is not None else msg.fan_out),
-                      msg.vocab_size, list(msg.eos_ids))
+                      msg.vocab_size, list(msg.eos_ids), msg.backup)
         if new != self.session:
             if self.requests:
                 logger.warning("new session (client %s, K=%d, %s, fan_out %s): dropping %d live requests",
                                new.client_id, new.k, new.mode, new.fan_out, len(self.requests))
             self.reset()
             self.session = new
-            logger.info("session: client %s K=%d mode=%s fan_out=%s fan_out_miss=%s", new.client_id,
-                        new.k, new.mode, new.fan_out, new.fan_out_miss)
+            self.backups = BackupChooser(new.backup)
+            logger.info("session: client %s K=%d mode=%s fan_out=%s fan_out_miss=%s backup=%s", new.client_id,
+                        new.k, new.mode, new.fan_out, new.fan_out_miss, new.backup)
         return HelloReply(version=PROTOCOL_VERSION, draft_vocab_size=self.runner.vocab_size,
                           draft_model_name=self.runner.cfg.name[:4096], pid=os.getpid(),
                           device=str(self.runner.device), dtype=str(self.runner.dtype).replace("torch.", ""),
@@ -175,6 +179,7 @@ class DraftEngine:
         s = self._check_speculate(msg)
         n, k_spec = len(msg.rids), s.k
         states = [self.requests[r] for r in msg.rids]
+        self.backups.observe(states, msg.ks)  # the previous round's speculations were just verified
         tokens = torch.zeros(n, k_spec, dtype=torch.long)
         hit = np.zeros(n, dtype=np.bool_)
         q16: list[Optional[torch.Tensor]] = [None] * n
@@ -191,14 +196,20 @@ class DraftEngine:
                 q16[i] = entry.q16
         jit_logits: dict[int, torch.Tensor] = {}
         t_b = time.perf_counter()
-        if missed:
+        kind = self.backups.choose(n) if missed else "neural"
+        if missed and kind == "fast":
+            toks, qs = fast_backup([states[i] for i in missed], k_spec, self.runner.vocab_size, self.gen)
+            raw = None
+        elif missed:
             toks, qs, raw = self._decode_backup([states[i] for i in missed], keep_logits=s.mode == "async")
+        if missed:
             for r, i in enumerate(missed):
                 tokens[i] = toks[r]
                 q16[i] = None if qs is None or msg.temperatures[i] <= 0 else qs[r]
                 if raw is not None:
                     jit_logits[i] = raw[r]
         backup_ms = _ms(t_b) if missed else 0.0
+        self.backups.replied(kind, len(missed), backup_ms / 1e3 if missed else None)
         for i, st in enumerate(states):
             st.last_spec, st.last_hit = tokens[i].tolist(), bool(hit[i])
         if s.mode == "async":
@@ -313,6 +324,7 @@ class DraftEngine:
         self.stats.glue_ms += t_glue
         self.stats.tree_ms += t_tree
         self.stats.last = {"build_ms": total, "glue_ms": t_glue, "tree_ms": t_tree}
+        self.backups.built(total / 1e3)
 
     def _decode_tree(self, plans, k_spec: int) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
         if not plans:
@@ -352,6 +364,8 @@ class DraftEngine:
             "rounds": st.rounds, "rows": st.rows, "hits": c.hits, "misses": c.misses,
             "forced_misses": c.forced_misses, "hit_rate": c.hits / max(c.lookups, 1),
             "backup_rows": st.backup_rows, "live_requests": len(self.requests),
+            "neural_backup_rows": self.backups.rows["neural"], "fast_backup_rows": self.backups.rows["fast"],
+            "backup_fast_now": int(self.backups.policy.current == "fast"),
             "kv_tokens": sum(r.kv_valid for r in self.requests.values()),
             "kv_bytes": sum(r.kv.nbytes() for r in self.requests.values()),
             "cache_entries": self.cache.num_entries(), "cache_bytes": self.cache.nbytes(),

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from sglang_ssd.draft.kv_cache import RequestKV
+from sglang_ssd.saguaro.ngram import NgramIndex
 
 
 @dataclass
@@ -27,6 +28,7 @@ class RequestState:
     last_spec: Optional[list[int]] = None     # the K tokens last sent for this rid
     last_hit: bool = False                    # did last_spec come from the cache?
     rounds: int = 0
+    ngram: Optional[NgramIndex] = None        # fast backup's index over `tokens` (built lazily)
 
     # --- context ---------------------------------------------------------------------------
     def advance(self, k: int, bonus: int) -> None:

@@ -1,0 +1,88 @@
+"""Backup speculation for rows the cache missed: which kind, and the fast kind itself.
+
+Two kinds (the paper's Section 4.3): "neural" = the draft model decodes K tokens just in time
+(DraftEngine._decode_backup: accurate, costs K draft steps on the critical path); "fast" = n-gram /
+prompt-lookup copying over the request's own tokens, uniform random tokens where nothing matches
+(near-free, accepts less).  Each proposal carries its TRUE proposal distribution for the verifier:
+one-hot for a copied token (a deterministic function of the context), uniform for a random one.
+
+The kind is the session's ``backup`` setting: "neural", "fast", or "auto" = BackupPolicy (Corollary 16:
+fast wins past the critical batch size b*), fed by what the engine sees between rounds: which rows hit,
+how many tokens each speculation yielded (k + 1 from the next Speculate), the interval between a reply
+and the next request (taken as the verify time), and its own build / backup times.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from sglang_ssd.draft.state import RequestState
+from sglang_ssd.saguaro.backup_policy import BackupPolicy
+from sglang_ssd.saguaro.ngram import NgramIndex, proposal_rows
+from sglang_ssd.saguaro.proposal import quantize_proposal
+
+BACKUPS = ("neural", "fast", "auto")
+NGRAM_MAX_N, NGRAM_MIN_N = 4, 1
+
+
+def fast_backup(states: Sequence[RequestState], k: int, vocab_size: int,
+                generator: Optional[torch.Generator]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """-> tokens [m, K] long, q16 [m, K, V] float16 (None if every row is greedy; greedy rows' q rows
+    are zero).  The n-gram index of each request grows incrementally with its context."""
+    m = len(states)
+    toks = torch.zeros(m, k, dtype=torch.long)
+    q16 = None
+    for i, st in enumerate(states):
+        if st.ngram is None:
+            st.ngram = NgramIndex(NGRAM_MAX_N, NGRAM_MIN_N)
+        st.ngram.extend(st.tokens[len(st.ngram):])  # contexts only grow (a new prefill makes a new state)
+        proposed, is_random = st.ngram.propose(k, vocab_size, generator)
+        toks[i] = torch.as_tensor(proposed)
+        if st.temperature > 0:
+            if q16 is None:
+                q16 = torch.zeros(m, k, vocab_size, dtype=torch.float16)
+            # one-hot / uniform rows survive float16 exactly (a uniform row stays uniform after renormalising)
+            q16[i] = quantize_proposal(proposal_rows(proposed, is_random, vocab_size))
+    return toks, q16
+
+
+class BackupChooser:
+    """Per-round choice of the backup kind, with the observations BackupPolicy needs."""
+
+    def __init__(self, mode: str = "neural"):
+        if mode not in BACKUPS:
+            raise ValueError(f"backup must be one of {BACKUPS}, got {mode!r}")
+        self.mode = mode
+        self.policy = BackupPolicy(override=mode)
+        self._t_reply: Optional[float] = None
+        self._last: dict[str, float] = {}
+        self.rows = {"neural": 0, "fast": 0}
+
+    def observe(self, states: Sequence[RequestState], ks: Sequence[int]) -> None:
+        """Called at the start of a round: the previous round's speculations were verified."""
+        if self._t_reply is None or not self._last:
+            return
+        rows = [(st.last_hit, k + 1) for st, k in zip(states, ks) if k >= 0 and st.last_spec is not None]
+        t_verify = time.perf_counter() - self._t_reply
+        if not rows or t_verify <= 0:
+            return
+        self.policy.observe_round(from_cache=[h for h, _ in rows], accept_lens=[n for _, n in rows],
+                                  backup=self._last["kind"], t_verify=t_verify,
+                                  t_build=self._last.get("build_s"), t_backup=self._last.get("backup_s"))
+
+    def choose(self, batch_size: int) -> str:
+        return self.policy.choose(batch_size)
+
+    def replied(self, kind: str, n_rows: int, backup_s: Optional[float]) -> None:
+        self.rows[kind] += n_rows
+        self._last = {"kind": kind, **({"backup_s": backup_s} if backup_s is not None else {})}
+        self._t_reply = time.perf_counter()
+
+    def built(self, build_s: float) -> None:
+        self._last["build_s"] = build_s
+
+    def report(self, batch_size: Optional[int] = None) -> dict:
+        return {"mode": self.mode, "rows": dict(self.rows), **self.policy.report(batch_size)}

@@ -10,6 +10,8 @@ draft model            ``--speculative-draft-model-path``          (required)
 K (drafts per round)   ``--speculative-num-steps``                 4
 fan_out (per depth)    ``SGLANG_SSD_CONFIG["fan_out"]``            3 (uniform; B = F*(K+1))
 mode                   ``SGLANG_SSD_CONFIG["mode"]``               "async" (SSD); "sync" = SD
+fan_out_auto           ``SGLANG_SSD_CONFIG["fan_out_auto"]``       false; true: re-fit the fan-outs online
+                                                                   (Theorem 12), budget = sum(fan_out)
 backup                 ``SGLANG_SSD_CONFIG["backup"]``             "neural" (draft decodes just in time);
                                                                    "fast" (n-gram / random tokens);
                                                                    "auto" (by batch size, Cor. 16)
@@ -61,6 +63,7 @@ class SaguaroConfig:
     mode: str = "async"
     saguaro_c: float = 1.0
     backup: str = "neural"
+    fan_out_auto: bool = False
     draft_device: str = "cpu"
     draft_endpoint: Optional[str] = None
     spawn_draft: bool = True
@@ -105,6 +108,8 @@ class SaguaroConfig:
         self.fan_out = _fan_out_list(self.fan_out, k)
         if self.mode not in MODES:
             raise SaguaroConfigError(f"{ENV_VAR} key 'mode' must be one of {MODES}, got {self.mode!r}")
+        if not isinstance(self.fan_out_auto, bool):
+            raise SaguaroConfigError(f"{ENV_VAR} key 'fan_out_auto' must be true or false")
         if self.backup not in ("neural", "fast", "auto"):
             raise SaguaroConfigError(f"{ENV_VAR} key 'backup' must be 'neural', 'fast' or 'auto', got {self.backup!r}")
         if check_saguaro_c(self.saguaro_c) is None:

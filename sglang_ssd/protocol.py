@@ -253,7 +253,7 @@ class Hello(Message):
 
     TYPE: ClassVar[str] = "hello"
     HEADER: ClassVar = ("version", "client_id", "k", "mode", "fan_out", "vocab_size", "eos_ids", "fan_out_miss",
-                        "backup")
+                        "backup", "fan_out_auto")
     version: int
     client_id: str
     k: int
@@ -263,6 +263,7 @@ class Hello(Message):
     eos_ids: list[int] = field(default_factory=list)
     fan_out_miss: Optional[list[int]] = None  # fan-out after a backup-drafted round (default fan_out)
     backup: str = "neural"                     # backup speculator for cache misses: neural | fast | auto
+    fan_out_auto: bool = False                 # re-plan fan-outs online (Theorem 12), same budget
 
     def validate(self):
         self.version = _int(self.version, "version", 0, 1 << 30)
@@ -278,6 +279,8 @@ class Hello(Message):
                 setattr(self, name, fan)
         self.vocab_size = _int(self.vocab_size, "vocab_size", 1, MAX_VOCAB)
         self.eos_ids = _int_list(self.eos_ids, "eos_ids", 64, 0, self.vocab_size - 1)
+        if not isinstance(self.fan_out_auto, bool):
+            raise _fail("fan_out_auto", "must be a bool")
         if _str(self.backup, "backup") not in BACKUPS:
             raise _fail("backup", f"must be one of {BACKUPS}, got {self.backup!r}")
 

@@ -516,3 +516,33 @@ def test_fast_backup_proposes_ngram_copies_with_their_true_q(runner):
     assert e2.health()["neural_backup_rows"] == 3 and e2.backups.choose(1) == "neural"
     with pytest.raises(Exception, match="backup"):
         Hello(PROTOCOL_VERSION, "t", K, "sync", FAN, V, [1], None, "magic").encode()
+
+
+def test_fan_out_auto_refits_the_schedule_and_builds_with_it(runner):
+    """fan_out_auto: rows feed the planner; after a refresh the session's schedules change (same budget),
+    the next caches are built with them, and health / the stats command report the fit."""
+    from sglang_ssd.draft.stats import format_health
+
+    temps = {r: 0.0 for r in PROMPTS}
+    e = DraftEngine(runner, seed=5)
+    e.hello(Hello(PROTOCOL_VERSION, "t", K, "async", [2, 2, 2, 2], V, [1], None, "neural", True))
+    assert sum(e.session.fan_out) == 8 and len(e.session.fan_out) == K + 1
+    e.fanout.planner.refresh_every = 12
+    t = Target(e, temps)
+    rng = random.Random(5)
+    outcomes = {r: (-1, 3) for r in PROMPTS}
+    schedules = set()
+    for rnd in range(30):
+        t.step(outcomes)
+        schedules.add((tuple(e.session.fan_out), tuple(e.session.fan_out_miss)))
+        for r in PROMPTS:  # the cache just built follows the current schedule of the row's source
+            fan = e.session.fan_out if e.requests[r].last_hit else e.session.fan_out_miss
+            assert e.requests[r].cache_fan == list(fan)
+        outcomes = {r: pick_outcome(rng, e, r, t.spec[r], "hit" if rnd % 3 else "miss")[0] for r in PROMPTS}
+    assert all(sum(p) == 8 and sum(b) == 8 for p, b in schedules)
+    assert len(schedules) >= 2  # re-planned at least once
+    h = e.health()
+    assert h["fanout_observations"] >= 80 and 0 < h["fanout_primary_a"] < 1
+    assert 0 <= h["fanout_primary_measured_hit"] <= 1
+    text = format_health(h)
+    assert "primary" in text and "F = [" in text

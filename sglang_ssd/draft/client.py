@@ -98,9 +98,9 @@ class DraftClient:
     def hello(self, k: int, mode: str, fan_out: Sequence[int], vocab_size: int,
               eos_ids: Sequence[int] = (), fan_out_miss: Optional[Sequence[int]] = None,
               client_id: Optional[str] = None, timeout_s: Optional[float] = None,
-              backup: str = "neural") -> HelloReply:
+              backup: str = "neural", fan_out_auto: bool = False) -> HelloReply:
         msg = Hello(PROTOCOL_VERSION, client_id or self.client_id, k, mode, list(fan_out), vocab_size,
-                    list(eos_ids), None if fan_out_miss is None else list(fan_out_miss), backup)
+                    list(eos_ids), None if fan_out_miss is None else list(fan_out_miss), backup, fan_out_auto)
         return self.request(msg, HelloReply, timeout_s)
 
     def prefill(self, rids: Sequence[str], prompts: Sequence[Sequence[int]],

@@ -19,6 +19,7 @@ import torch
 
 from sglang_ssd.draft.runner import DraftRunner, ForwardItem
 from sglang_ssd.draft.backup import BackupChooser, fast_backup
+from sglang_ssd.draft.fanout import LiveFanOut
 from sglang_ssd.draft.sampling import sample_rows
 from sglang_ssd.draft.spec_cache import SpecCache
 from sglang_ssd.draft.state import RequestState
@@ -49,6 +50,7 @@ class Session:
     vocab_size: int
     eos_ids: list[int]
     backup: str = "neural"
+    fan_out_auto: bool = False
 
 
 @dataclass
@@ -65,6 +67,13 @@ class Stats:
     last: dict[str, float] = field(default_factory=lambda: {"build_ms": 0.0, "glue_ms": 0.0, "tree_ms": 0.0})
 
 
+@dataclass
+class _Prev:  # what the fan-out planner needs of a row's previous round
+    last_spec: Optional[list[int]]
+    last_hit: bool
+    cache_fan: Optional[list[int]]
+
+
 def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1e3
 
@@ -77,6 +86,7 @@ class DraftEngine:
         self.requests: dict[str, RequestState] = {}
         self.cache = SpecCache()
         self.backups = BackupChooser("neural")
+        self.fanout: Optional[LiveFanOut] = None
         self.gen = torch.Generator(device=runner.device)
         self.gen.manual_seed(seed)
         self.pending: list[tuple[RequestState, Optional[torch.Tensor]]] = []
@@ -92,7 +102,7 @@ class DraftEngine:
                               f"{self.runner.vocab_size}; the draft must share the target's vocabulary")
         new = Session(msg.client_id, msg.k, msg.mode, list(msg.fan_out),
                       list(msg.fan_out_miss if msg.fan_out_miss is not None else msg.fan_out),
-                      msg.vocab_size, list(msg.eos_ids), msg.backup)
+                      msg.vocab_size, list(msg.eos_ids), msg.backup, msg.fan_out_auto)
         if new != self.session:
             if self.requests:
                 logger.warning("new session (client %s, K=%d, %s, fan_out %s): dropping %d live requests",
@@ -100,6 +110,9 @@ class DraftEngine:
             self.reset()
             self.session = new
             self.backups = BackupChooser(new.backup)
+            self.fanout = LiveFanOut(sum(new.fan_out), new.k) if new.fan_out_auto and new.mode == "async" else None
+            if self.fanout is not None:
+                new.fan_out, new.fan_out_miss = map(list, self.fanout.schedules())
             logger.info("session: client %s K=%d mode=%s fan_out=%s fan_out_miss=%s backup=%s", new.client_id,
                         new.k, new.mode, new.fan_out, new.fan_out_miss, new.backup)
         return HelloReply(version=PROTOCOL_VERSION, draft_vocab_size=self.runner.vocab_size,
@@ -180,6 +193,7 @@ class DraftEngine:
         n, k_spec = len(msg.rids), s.k
         states = [self.requests[r] for r in msg.rids]
         self.backups.observe(states, msg.ks)  # the previous round's speculations were just verified
+        prev = [_Prev(st.last_spec, st.last_hit, st.cache_fan) for st in states]  # before advance()
         tokens = torch.zeros(n, k_spec, dtype=torch.long)
         hit = np.zeros(n, dtype=np.bool_)
         q16: list[Optional[torch.Tensor]] = [None] * n
@@ -194,6 +208,9 @@ class DraftEngine:
                 hit[i] = True
                 tokens[i] = entry.tokens.cpu()
                 q16[i] = entry.q16
+        if self.fanout is not None and self.fanout.observe(
+                prev, msg.ks, [bool(h) if k >= 0 else None for h, k in zip(hit, msg.ks)]):
+            s.fan_out, s.fan_out_miss = map(list, self.fanout.schedules())
         jit_logits: dict[int, torch.Tensor] = {}
         t_b = time.perf_counter()
         kind = self.backups.choose(n) if missed else "neural"
@@ -302,8 +319,10 @@ class DraftEngine:
         plans = []
         for (st, _), z in zip(pending, glue):
             fan = s.fan_out if st.last_hit else s.fan_out_miss
+            st.cache_fan = list(fan)
             fan = [min(f, self.runner.vocab_size - (1 if j < k_spec else 0)) for j, f in enumerate(fan)]
             if sum(fan) == 0:
+                st.cache_fan = None
                 continue
             z = z.clone()
             z[torch.arange(k_spec), torch.as_tensor(st.last_spec, device=z.device)] = -torch.inf
@@ -366,6 +385,7 @@ class DraftEngine:
             "backup_rows": st.backup_rows, "live_requests": len(self.requests),
             "neural_backup_rows": self.backups.rows["neural"], "fast_backup_rows": self.backups.rows["fast"],
             "backup_fast_now": int(self.backups.policy.current == "fast"),
+            **(self.fanout.report() if self.fanout is not None else {}),
             "kv_tokens": sum(r.kv_valid for r in self.requests.values()),
             "kv_bytes": sum(r.kv.nbytes() for r in self.requests.values()),
             "cache_entries": self.cache.num_entries(), "cache_bytes": self.cache.nbytes(),

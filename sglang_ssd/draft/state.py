@@ -29,6 +29,7 @@ class RequestState:
     last_hit: bool = False                    # did last_spec come from the cache?
     rounds: int = 0
     ngram: Optional[NgramIndex] = None        # fast backup's index over `tokens` (built lazily)
+    cache_fan: Optional[list[int]] = None     # fan-out per k of the cache last built for this request
 
     # --- context ---------------------------------------------------------------------------
     def advance(self, k: int, bonus: int) -> None:

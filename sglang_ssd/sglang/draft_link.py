@@ -107,7 +107,8 @@ class DraftLink:
                 try:
                     info = self.client.hello(k=self.k, mode=self.cfg.mode, fan_out=self.cfg.fan_out,
                                              vocab_size=self.vocab_size, eos_ids=self.eos_ids,
-                                             timeout_s=None if startup else 2.0, backup=self.cfg.backup)
+                                             timeout_s=None if startup else 2.0, backup=self.cfg.backup,
+                                             fan_out_auto=self.cfg.fan_out_auto)
                     break
                 except Exception as exc:  # not up yet
                     if self.proc is not None and self.proc.poll() is not None:

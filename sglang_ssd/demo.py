@@ -41,7 +41,7 @@ def run_mode(mode: str, args, prompts: list[list[int]], workdir: str) -> dict:
     if mode != "ar":
         extra += ["--speculative-algorithm", "saguaro", "--speculative-draft-model-path", args.draft,
                   "--speculative-num-steps", str(args.k)]
-        env["SGLANG_SSD_CONFIG"] = json.dumps({"mode": "sync" if mode == "sd" else "async",
+        env["SGLANG_SSD_CONFIG"] = json.dumps({"mode": "sync" if mode == "sd" else "async", "fan_out": args.fan_out,
                                                "draft_dtype": args.dtype, "stats_file": stats_file})
     log_path = os.path.join(workdir, f"{mode}_server.log")
     t0 = time.perf_counter()
@@ -67,7 +67,10 @@ def main(argv=None) -> None:
     ap.add_argument("--target", default=paths.target_path())
     ap.add_argument("--draft", default=paths.draft_path())
     ap.add_argument("--modes", default="ar,sd,ssd")
-    ap.add_argument("--k", type=int, default=4)
+    # K = 3, fan-out 4: the best predicted SSD speed for the trained draft on the CPU miniature
+    # (results/draft_quality.md)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--fan-out", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"],
                     help="float32 by default: this class of CPU (AVX2, no AMX) gains nothing from bf16")

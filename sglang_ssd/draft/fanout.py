@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 
 class LiveFanOut:
-    def __init__(self, budget: int, k: int, refresh_every: int = 256):
+    def __init__(self, budget: int, k: int, refresh_every: int = 64):
         self.planner = FanOutPlanner(budget, k, refresh_every=refresh_every)
         self._seen = 0
 

@@ -110,7 +110,8 @@ class SaguaroConfig:
             raise SaguaroConfigError(f"{ENV_VAR} key 'mode' must be one of {MODES}, got {self.mode!r}")
         if not isinstance(self.fan_out_auto, bool):
             raise SaguaroConfigError(f"{ENV_VAR} key 'fan_out_auto' must be true or false")
-        if self.backup not in ("neural", "fast", "auto"):
+        from sglang_ssd.protocol import BACKUPS  # the one list of backup kinds (the wire validates it too)
+        if self.backup not in BACKUPS:
             raise SaguaroConfigError(f"{ENV_VAR} key 'backup' must be 'neural', 'fast' or 'auto', got {self.backup!r}")
         if check_saguaro_c(self.saguaro_c) is None:
             raise SaguaroConfigError(f"{ENV_VAR} key 'saguaro_c' must be a number in (0, 1], got {self.saguaro_c!r}")

@@ -20,11 +20,11 @@ from typing import Optional, Sequence
 import torch
 
 from sglang_ssd.draft.state import RequestState
+from sglang_ssd.protocol import BACKUPS
 from sglang_ssd.saguaro.backup_policy import BackupPolicy
 from sglang_ssd.saguaro.ngram import NgramIndex, proposal_rows
 from sglang_ssd.saguaro.proposal import quantize_proposal
 
-BACKUPS = ("neural", "fast", "auto")
 NGRAM_MAX_N, NGRAM_MIN_N = 4, 1
 
 

@@ -22,8 +22,8 @@ import torch
 
 import sglang_ssd.saguaro.verify as verify
 from sglang_ssd.saguaro.proposal import dequantize_proposal, proposal_from_logits
-from sglang_ssd.saguaro.saguaro_sampling import (saguaro_probs, saguaro_proposal_from_logits, saguaro_proposal_wire,
-                                                 saguaro_sample_rows, top_f_mask)
+from sglang_ssd.saguaro.saguaro_sampling import (saguaro_probs, saguaro_probs_rows, saguaro_proposal_from_logits,
+                                                 saguaro_proposal_wire, saguaro_sample_rows, top_f_mask)
 
 Prefix = tuple[int, ...]
 
@@ -143,6 +143,38 @@ def test_down_weighting_and_ties():
     torch.testing.assert_close(out[1], torch.tensor([0.125, 0.125, 0.25, 0.25]) / 0.75)  # ties -> ids 0, 1
     assert torch.equal(out[2], probs[2])  # one-hot stays exactly one-hot
     assert top_f_mask(torch.tensor([0.3, 0.3, 0.3, 0.1]), 2).tolist() == [True, True, False, False]
+
+
+def _sorted_top_f(probs: torch.Tensor, fs: list[int]) -> torch.Tensor:
+    """Reference rule, literally: a stable descending sort, first F_i ids of each row."""
+    order = torch.sort(probs, dim=-1, descending=True, stable=True).indices
+    ref = torch.zeros_like(probs, dtype=torch.bool)
+    for i, f in enumerate(fs):
+        ref[i, order[i, :f]] = True
+    return ref
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_top_f_equals_stable_sort_rule(seed):
+    """The O(V) top-F selection (topk + tie fill) picks exactly the stable-sort set, ties included: rows
+    with few distinct values (many ties, zeros as in a reduced-vocabulary draft head) and F past the
+    number of non-zero entries."""
+    g = torch.Generator().manual_seed(seed)
+    n, v = 40, 64
+    probs = torch.randint(0, 4, (n, v), generator=g).float()  # values 0..3: ties everywhere
+    probs[: n // 2] *= torch.rand(n // 2, v, generator=g) < 0.2  # mostly zero rows
+    probs[:, 0] += 1e-3  # no all-zero row
+    probs = probs / probs.sum(-1, keepdim=True)
+    fs = torch.randint(0, v + 1, (n,), generator=g).tolist()
+    ref = _sorted_top_f(probs, fs)
+    from sglang_ssd.saguaro.saguaro_sampling import _top_f_rows
+    assert torch.equal(_top_f_rows(probs, torch.tensor(fs)), ref)
+    c = torch.rand(n, generator=g) * 0.9 + 0.05
+    out = saguaro_probs_rows(probs, torch.tensor(fs), c)
+    for i, f in enumerate(fs):  # and sigma built on it matches the single-row definition
+        torch.testing.assert_close(out[i], saguaro_probs(probs[i], f, float(c[i])) if 0 < f < v else probs[i])
+    cont = torch.softmax(3 * torch.randn(8, 1000, generator=g), -1)  # continuous rows: no ties
+    assert torch.equal(top_f_mask(cont, 7), _sorted_top_f(cont, [7] * 8))
 
 
 def test_wire_contract_and_sampling():

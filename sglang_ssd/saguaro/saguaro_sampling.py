@@ -31,12 +31,34 @@ def _check(f: int, c: float) -> None:
         raise ValueError(f"C must be in (0, 1], got {c}")
 
 
+def _top_f_rows(probs: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """Bool mask [n, V]: per row the first f_i tokens in (-prob, index) order (f [n] ints >= 0).
+
+    O(V) per row instead of a full sort (which cost ~8 ms per 49k-token row on a CPU core, i.e. most of
+    a draft tree step): the f_i-th largest value comes from topk, every token above it is in, and tokens
+    equal to it fill the remaining places lowest id first (a cumulative count, only on rows with ties)."""
+    f = f.clamp(0, probs.shape[-1])
+    fmax = int(f.max()) if f.numel() else 0
+    if fmax == 0:
+        return torch.zeros_like(probs, dtype=torch.bool)
+    vals = torch.topk(probs, fmax, dim=-1, sorted=True).values
+    thr = vals.gather(-1, (f - 1).clamp_min(0)[:, None])  # the f_i-th largest value of row i
+    mask = probs >= thr
+    tied = (mask.sum(-1) != f).nonzero().squeeze(-1)  # more tokens equal the threshold than places left
+    if tied.numel():
+        sub, t = probs[tied], thr[tied]
+        above = sub > t
+        eq = sub == t
+        need = f[tied][:, None] - above.sum(-1, keepdim=True)
+        mask[tied] = above | (eq & (torch.cumsum(eq.to(torch.int32), -1) <= need))
+    return mask & (f[:, None] > 0)
+
+
 def top_f_mask(probs: torch.Tensor, f: int) -> torch.Tensor:
     """Bool mask [..., V] of the top-F tokens per row, ties to the lower index."""
-    f = min(f, probs.shape[-1])
-    # stable descending sort keeps equal values in index order -> order by (-prob, index)
-    order = torch.sort(probs, dim=-1, descending=True, stable=True).indices[..., :f]
-    return torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, True)
+    flat = probs.reshape(-1, probs.shape[-1])
+    fs = torch.full((flat.shape[0],), min(f, probs.shape[-1]), dtype=torch.long, device=probs.device)
+    return _top_f_rows(flat, fs).reshape(probs.shape)
 
 
 def saguaro_probs(probs: torch.Tensor, f: int, c: float) -> torch.Tensor:
@@ -64,10 +86,7 @@ def saguaro_probs_rows(probs: torch.Tensor, f: torch.Tensor, c: torch.Tensor) ->
         return probs
     rows = active.nonzero().squeeze(-1)
     sub = probs[rows]
-    fmax = int(f[rows].max())
-    order = torch.sort(sub, dim=-1, descending=True, stable=True).indices[:, :fmax]  # ties -> lower id
-    keep = torch.arange(fmax, device=probs.device)[None, :] < f[rows][:, None]       # first F_i per row
-    top = torch.zeros_like(sub, dtype=torch.bool).scatter(-1, order, keep)
+    top = _top_f_rows(sub, f[rows])  # first F_i per row in (-prob, index) order: ties -> lower id
     w = torch.where(top, sub * c[rows][:, None], sub)
     out = probs.clone()
     out[rows] = w / w.sum(dim=-1, keepdim=True)

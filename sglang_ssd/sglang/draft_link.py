@@ -53,9 +53,17 @@ class LinkStats:
     fallback_rows: int = 0
     accepted: int = 0  # accepted drafts + bonus tokens
     wait_s: float = 0.0
+    waited_rounds: int = 0  # rounds whose draft reply took longer than WAITED_S (the target waited)
+    verify_s: float = 0.0  # target forward over the chains
+    accept_s: float = 0.0  # target probabilities + exact acceptance
+    round_s: float = 0.0  # whole decode round inside the worker (wait + verify + accept + glue)
+    gap_s: float = 0.0  # scheduler time between consecutive decode rounds (idle gaps > 1 s excluded)
     reconnects: int = 0
     errors: int = 0
     hist: list[int] = field(default_factory=list)
+
+
+WAITED_S = 0.005  # a reply slower than this was computed while the target waited (a ready one is ~1 ms)
 
 
 class DraftLink:
@@ -73,6 +81,7 @@ class DraftLink:
         self.client = None
         self.round_id = 0
         self.client_ok = True  # False after an error, until a reconnect succeeds
+        self._last_round_end: Optional[float] = None
         self._next_retry = 0.0
         self._backoff = 1.0
         self.endpoint = cfg.draft_endpoint or f"ipc://{tempfile.gettempdir()}/sglang-ssd-{uuid.uuid4().hex[:12]}.sock"
@@ -208,6 +217,7 @@ class DraftLink:
             return self._fallback(bs, t0)
         wait = time.perf_counter() - t0
         self.stats.wait_s += wait
+        self.stats.waited_rounds += int(wait > WAITED_S)
         self.stats.hits += int(hit.sum())
         return Proposal(tokens, q16, q_valid, torch.full((bs,), self.k, dtype=torch.int64), hit, wait)
 
@@ -257,7 +267,18 @@ class DraftLink:
             q_valid=torch.zeros(bs, dtype=torch.bool), max_accept=torch.zeros(bs, dtype=torch.int64),
             hit=torch.zeros(bs, dtype=torch.bool), wait_s=time.perf_counter() - t0)
 
-    def record(self, accept_lens: list[int]) -> None:
+    def record(self, accept_lens: list[int], verify_s: float = 0.0, accept_s: float = 0.0,
+               t_start: Optional[float] = None, t_end: Optional[float] = None) -> None:
+        """One verified round: accepted lengths and where its time went (perf_counter stamps)."""
+        s = self.stats
+        s.verify_s += verify_s
+        s.accept_s += accept_s
+        if t_start is not None and t_end is not None:
+            s.round_s += t_end - t_start
+            last = self._last_round_end
+            if last is not None and 0 <= t_start - last < 1.0:
+                s.gap_s += t_start - last
+            self._last_round_end = t_end
         self.stats.rounds += 1
         self.stats.rows += len(accept_lens)
         self.stats.accepted += sum(accept_lens)
@@ -270,6 +291,8 @@ class DraftLink:
         return {"mode": self.cfg.mode, "k": self.k, "fan_out": self.cfg.fan_out, "rounds": s.rounds,
                 "rows": s.rows, "hits": s.hits, "hit_rate": s.hits / rows, "accept_len": s.accepted / rows,
                 "draft_wait_ms": 1000 * s.wait_s / max(s.rounds, 1), "fallback_rows": s.fallback_rows,
+                "waited_rounds": s.waited_rounds, "wait_s": s.wait_s, "verify_s": s.verify_s,
+                "accept_s": s.accept_s, "round_s": s.round_s, "gap_s": s.gap_s,
                 "errors": s.errors, "reconnects": s.reconnects, "accept_hist": s.hist}
 
     def write_stats(self, path: str) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import time
 from typing import Optional
 
 import torch
@@ -93,6 +94,7 @@ class SaguaroWorker(BaseSpecWorker):
         )
 
     def _decode(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
+        t_start = time.perf_counter()
         reqs, bs, n = batch.reqs, len(batch.reqs), self.n
         info = batch.sampling_info
         temps = info.temperatures.reshape(-1).float()
@@ -112,9 +114,11 @@ class SaguaroWorker(BaseSpecWorker):
         batch.input_ids = chain.reshape(-1)
         batch.spec_info = build_chain_verify_input(chain, seq_lens)
         batch.forward_mode = ForwardMode.TARGET_VERIFY
+        t_verify = time.perf_counter()
         result = self._target_worker.forward_batch_generation(batch, is_verify=True)
         logits = self._adjust_logits(result.logits_output.next_token_logits, info)[:, : self.vocab_size]
         logits = logits.float().view(bs, n, -1)
+        t_accept = time.perf_counter()
 
         # 3. exact acceptance
         rep = lambda t: t.reshape(-1)[:, None].expand(bs, n).reshape(-1)  # per-request -> per-position
@@ -127,7 +131,9 @@ class SaguaroWorker(BaseSpecWorker):
             max_accept=prop.max_accept.to(self.device), q_valid=prop.q_valid.to(self.device),
         )
         accept_lens = accept_lens.to(torch.int32)
-        self.link.record(accept_lens.tolist())
+        t_end = time.perf_counter()
+        self.link.record(accept_lens.tolist(), verify_s=t_accept - t_verify, accept_s=t_end - t_accept,
+                         t_start=t_start, t_end=t_end)
         if self.link.stats.rounds % self.cfg.stats_interval == 0:
             logger.info(self.link.summary())
         if self.cfg.stats_file:

@@ -91,8 +91,8 @@ def _code(rng: random.Random) -> str:
     return f'class {name}:\n    """{doc}"""\n\n    def __init__(self'
 
 
-def train_prompts(tok, seed: int, n: int = 6000) -> list[list[int]]:
-    """n token-id prompts (chat 40%, code 25%, math 20%, factual 15%), deterministic for the seed."""
+def train_texts(seed: int, n: int = 6000) -> list[tuple[str, bool]]:
+    """n (text, is_chat) prompts (chat 40%, code 25%, math 20%, factual 15%), deterministic for the seed."""
     held = [p["text"] for p in json.loads(HELDOUT.read_text())["prompts"]]
     rng = random.Random(seed)
     out = []
@@ -108,6 +108,14 @@ def train_prompts(tok, seed: int, n: int = 6000) -> list[list[int]]:
             text, chat = rng.choice(FACT_SUBJ), False
         if any(h in text or text in h for h in held):
             continue
+        out.append((text, chat))
+    return out
+
+
+def train_prompts(tok, seed: int, n: int = 6000) -> list[list[int]]:
+    """train_texts as token ids (chat prompts through the chat template)."""
+    out = []
+    for text, chat in train_texts(seed, n):
         if chat:
             ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                           tokenize=True)

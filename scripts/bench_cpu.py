@@ -7,7 +7,7 @@ fixed-length generations (128 tokens, EOS ignored) on the benchmark prompts (scr
 per kind: chat, code, factual, math). Sweeps, in priority order (tiers), each cell repeated --repeats times:
   1. headline: b = 1, K = 3, AR / SD / SSD, T = 0 and 1;
   2. batch:    b = 2, 4, 8, K = 3, AR / SD / SSD, T = 0 and 1;
-  3. K:        K = 4, 5 for SD / SSD at b = 1 and 4, T = 0 and 1.
+  3. K:        K = 4, 5 for SD / SSD at b = 1, T = 0 and 1.
 Batch size b = b concurrent requests (continuous batching); each repeat sends max(4, b) requests, one per
 kind in turn, taking the next prompts of the set, so repeats see different prompts and every mode sees the
 same prompts at the same (T, b, repeat). One server per (mode, K); repeats interleave with the T and b
@@ -60,7 +60,7 @@ def plan(tiers: set[int], repeats: int) -> list[dict]:
     if 2 in tiers:
         groups += [(2, m, 0 if m == "ar" else 3, (2, 4, 8)) for m in ("ar", "sd", "ssd")]
     if 3 in tiers:
-        groups += [(3, m, k, (1, 4)) for k in (4, 5) for m in ("sd", "ssd")]
+        groups += [(3, m, k, (1,)) for k in (4, 5) for m in ("sd", "ssd")]
     return [{"tier": tier, "mode": m, "k": k, "temperature": t, "batch": b, "rep": r}
             for tier, m, k, batches in groups for r in range(repeats) for t in TEMPS for b in batches]
 

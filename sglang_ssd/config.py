@@ -27,7 +27,11 @@ draft_dtype            ``SGLANG_SSD_CONFIG["draft_dtype"]``        "float32"
 draft_cpu_core         ``SGLANG_SSD_CONFIG["draft_cpu_core"]``     last core (CPU draft)
 target_cpu_core        ``SGLANG_SSD_CONFIG["target_cpu_core"]``    null (no pinning)
 draft_threads          ``SGLANG_SSD_CONFIG["draft_threads"]``      1
-draft_timeout_s        ``SGLANG_SSD_CONFIG["draft_timeout_s"]``    60
+draft_timeout_s        ``SGLANG_SSD_CONFIG["draft_timeout_s"]``    60 (prefill / release / hello)
+round_deadline_s       ``SGLANG_SSD_CONFIG["round_deadline_s"]``   1.0: longest the target waits
+                                                                   for a round's drafts; past it
+                                                                   the round decodes target-only
+                                                                   and the link reconnects
 startup_timeout_s      ``SGLANG_SSD_CONFIG["startup_timeout_s"]``  120
 stats_interval         ``SGLANG_SSD_CONFIG["stats_interval"]``     50 rounds between log lines
 stats_file             ``SGLANG_SSD_CONFIG["stats_file"]``         null; else JSON stats, every round
@@ -72,6 +76,7 @@ class SaguaroConfig:
     target_cpu_core: Optional[int] = None
     draft_threads: int = 1
     draft_timeout_s: float = 60.0
+    round_deadline_s: float = 1.0
     startup_timeout_s: float = 120.0
     stats_interval: int = 50
     stats_file: Optional[str] = None
@@ -135,7 +140,7 @@ class SaguaroConfig:
                 raise SaguaroConfigError(f"{ENV_VAR} key {key!r} must be a core index >= 0 or null, got {v!r}")
         if not isinstance(self.draft_threads, int) or self.draft_threads < 1:
             raise SaguaroConfigError(f"{ENV_VAR} key 'draft_threads' must be an integer >= 1")
-        for key in ("draft_timeout_s", "startup_timeout_s"):
+        for key in ("draft_timeout_s", "round_deadline_s", "startup_timeout_s"):
             v = getattr(self, key)
             if not isinstance(v, (int, float)) or v <= 0:
                 raise SaguaroConfigError(f"{ENV_VAR} key {key!r} must be a positive number of seconds, got {v!r}")

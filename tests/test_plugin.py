@@ -102,7 +102,8 @@ def test_config_dataclass(draft_path, tmp_path):
     assert SaguaroConfig.from_sources(draft_path, 4, env={"SGLANG_SSD_CONFIG": str(path)}).fan_out == [4, 3, 2, 1, 1]
     for env, key in [('{"nope": 1}', "unknown key"), ("[1]", "JSON object"), ("{bad", "not valid JSON"),
                      ('{"draft_endpoint": "http://x"}', "draft_endpoint"), ('{"fan_out": 0}', "at least one"),
-                     ('{"draft_timeout_s": -1}', "draft_timeout_s"), ('{"saguaro_c": 0}', "saguaro_c"),
+                     ('{"draft_timeout_s": -1}', "draft_timeout_s"), ('{"round_deadline_s": 0}', "round_deadline_s"),
+                     ('{"saguaro_c": 0}', "saguaro_c"),
                      ('{"saguaro_c": 1.5}', "saguaro_c"), ('{"saguaro_c": true}', "saguaro_c")]:
         with pytest.raises(SaguaroConfigError, match=key):
             SaguaroConfig.from_sources(draft_path, 4, env={"SGLANG_SSD_CONFIG": env})

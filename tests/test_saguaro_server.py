@@ -169,3 +169,45 @@ def test_draft_killed_mid_generation(target_path, draft_path, prompts, reference
     assert during["errors"] >= 1 and during["fallback_rows"] > 0, during
     assert new_pid != old_pid and stats["reconnects"] >= 1, stats
     assert stats["rows"] - stats["fallback_rows"] > during["rows"] - during["fallback_rows"], stats
+
+
+def test_draft_stopped_mid_generation(target_path, draft_path, prompts, reference, tmp_path):
+    """SIGSTOP the draft while requests run: the per-round deadline (not the 600 s request timeout)
+    bounds the target's wait, rounds decode target-only with exactly the plain-SGLang tokens; after
+    SIGCONT the worker reconnects and speculation resumes."""
+    import signal
+
+    srv = _saguaro_server(target_path, draft_path, "async", tmp_path, draft_timeout_s=600, round_deadline_s=0.5)
+    greedy = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+    with srv:
+        with DraftClient(srv.draft_endpoint, timeout_s=30) as client:
+            pid = int(client.health()["pid"])
+        try:
+            with cf.ThreadPoolExecutor(4) as pool:
+                futs = [pool.submit(srv.generate, input_ids=ids, sampling_params=greedy) for ids in prompts[:4]]
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline:  # stop it once speculation is under way
+                    if os.path.exists(srv.stats_file) and json.load(open(srv.stats_file))["rounds"] >= 2:
+                        break
+                    time.sleep(0.2)
+                os.kill(pid, signal.SIGSTOP)
+                t_stop = time.monotonic()
+                first = [f.result(timeout=300) for f in futs]
+                stopped_for = time.monotonic() - t_stop
+            during = json.load(open(srv.stats_file))
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 180
+        while True:  # the same draft process, resumed, serves later requests after a reconnect
+            later = _run_concurrent(srv, prompts[4:8], greedy)
+            stats = json.load(open(srv.stats_file))
+            if stats["rows"] - stats["fallback_rows"] > during["rows"] - during["fallback_rows"] or time.monotonic() > deadline:
+                break
+        with DraftClient(srv.draft_endpoint, timeout_s=30) as client:
+            same_pid = int(client.health()["pid"])
+    for o, ref in zip(first + later, reference["greedy"][:8]):
+        assert o["output_ids"] == ref
+    assert during["deadline_misses"] >= 1 and during["fallback_rows"] > 0, during
+    assert stopped_for < 120, f"requests took {stopped_for:.0f} s with the draft stopped"
+    assert same_pid == pid and stats["reconnects"] >= 1, stats
+    assert stats["rows"] - stats["fallback_rows"] > during["rows"] - during["fallback_rows"], stats

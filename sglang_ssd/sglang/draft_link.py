@@ -60,9 +60,11 @@ class LinkStats:
     gap_s: float = 0.0  # scheduler time between consecutive decode rounds (idle gaps > 1 s excluded)
     reconnects: int = 0
     errors: int = 0
+    deadline_misses: int = 0  # rounds whose drafts did not arrive within round_deadline_s
     hist: list[int] = field(default_factory=list)
 
 
+PREFILL_S_PER_TOKEN = 0.002  # allowance per prompt token a draft prefill gets beyond the round deadline
 WAITED_S = 0.005  # a reply slower than this was computed while the target waited (a ready one is ~1 ms)
 
 
@@ -82,6 +84,7 @@ class DraftLink:
         self.round_id = 0
         self.client_ok = True  # False after an error, until a reconnect succeeds
         self._last_round_end: Optional[float] = None
+        self._wait_ema = 0.0  # recent draft reply time (s), successful rounds only
         self._next_retry = 0.0
         self._backoff = 1.0
         self.endpoint = cfg.draft_endpoint or f"ipc://{tempfile.gettempdir()}/sglang-ssd-{uuid.uuid4().hex[:12]}.sock"
@@ -116,7 +119,8 @@ class DraftLink:
                 try:
                     info = self.client.hello(k=self.k, mode=self.cfg.mode, fan_out=self.cfg.fan_out,
                                              vocab_size=self.vocab_size, eos_ids=self.eos_ids,
-                                             timeout_s=None if startup else 2.0, backup=self.cfg.backup,
+                                             timeout_s=None if startup else self.cfg.round_deadline_s,
+                                             backup=self.cfg.backup,
                                              fan_out_auto=self.cfg.fan_out_auto)
                     break
                 except Exception as exc:  # not up yet
@@ -144,6 +148,7 @@ class DraftLink:
 
     def _fail(self, exc: Exception) -> None:
         self.stats.errors += 1
+        self.stats.deadline_misses += int(isinstance(exc, TimeoutError))
         logger.warning("saguaro: draft error (%s: %s); this round decodes with the target alone",
                        type(exc).__name__, exc)
         self.client_ok = False
@@ -185,7 +190,7 @@ class DraftLink:
                 k = self._outcome(st, r, known)
                 if k is None:  # unknown to the draft (new, retracted, or after a restart)
                     if st is not None:
-                        self.client.release([r.rid])
+                        self.client.release([r.rid], timeout_s=self.cfg.round_deadline_s)
                     new_rids.append(r.rid)
                     new_prompts.append(list(r.origin_input_ids) + list(r.output_ids[:-1]))
                     new_temps.append(temp)
@@ -194,9 +199,16 @@ class DraftLink:
                 ks.append(k)
                 bonuses.append(int(r.output_ids[-1]))
             if new_rids:
-                self.client.prefill(new_rids, new_prompts, new_temps, saguaro_c=new_cs)
+                # prefill may take longer than a round (long prompts): the deadline grows with the
+                # tokens to encode, so a hung draft still cannot hold the target for long
+                n_tok = sum(len(x) for x in new_prompts)
+                self.client.prefill(new_rids, new_prompts, new_temps, saguaro_c=new_cs,
+                                    timeout_s=self.cfg.round_deadline_s + n_tok * PREFILL_S_PER_TOKEN)
             self.round_id += 1
-            reply = self.client.speculate(self.round_id, rids, ks, bonuses, temperatures)
+            # the round's deadline bounds the target's wait: a hung or stopped draft costs one
+            # deadline, then rounds decode target-only until a (briefly tried) reconnect succeeds
+            reply = self.client.speculate(self.round_id, rids, ks, bonuses, temperatures,
+                                          timeout_s=self._deadline())
             tokens = torch.as_tensor(reply.tokens, dtype=torch.int64).reshape(bs, self.k)
             if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size:
                 raise ValueError("draft proposed token ids outside the vocabulary")
@@ -216,10 +228,16 @@ class DraftLink:
             self._fail(exc)
             return self._fallback(bs, t0)
         wait = time.perf_counter() - t0
+        self._wait_ema = 0.9 * self._wait_ema + 0.1 * wait
         self.stats.wait_s += wait
         self.stats.waited_rounds += int(wait > WAITED_S)
         self.stats.hits += int(hit.sum())
         return Proposal(tokens, q16, q_valid, torch.full((bs,), self.k, dtype=torch.int64), hit, wait)
+
+    def _deadline(self) -> float:
+        """The round's wait bound: round_deadline_s, stretched to 5x the recent reply time so a big
+        batch whose drafts legitimately take longer is not cut off (a hung draft still is)."""
+        return max(self.cfg.round_deadline_s, 5.0 * self._wait_ema)
 
     def _saguaro_c(self, req) -> float:
         """Per-request Saguaro sampling C: sampling_params.custom_params["saguaro_c"], else the server's."""
@@ -245,7 +263,7 @@ class DraftLink:
     def _release_departed(self, live: set) -> None:
         gone = [rid for rid in self.states if rid not in live]
         if gone:
-            self.client.release(gone)
+            self.client.release(gone, timeout_s=self.cfg.round_deadline_s)
             for rid in gone:
                 del self.states[rid]
 
@@ -254,7 +272,7 @@ class DraftLink:
         if not rids or not self.client_ok:
             return
         try:
-            self.client.release(rids)
+            self.client.release(rids, timeout_s=self.cfg.round_deadline_s)
             for rid in rids:
                 del self.states[rid]
         except Exception as exc:
@@ -293,7 +311,8 @@ class DraftLink:
                 "draft_wait_ms": 1000 * s.wait_s / max(s.rounds, 1), "fallback_rows": s.fallback_rows,
                 "waited_rounds": s.waited_rounds, "wait_s": s.wait_s, "verify_s": s.verify_s,
                 "accept_s": s.accept_s, "round_s": s.round_s, "gap_s": s.gap_s,
-                "errors": s.errors, "reconnects": s.reconnects, "accept_hist": s.hist}
+                "errors": s.errors, "reconnects": s.reconnects, "deadline_misses": s.deadline_misses,
+                "accept_hist": s.hist}
 
     def write_stats(self, path: str) -> None:
         tmp = path + ".tmp"

@@ -19,7 +19,13 @@ saguaro_c              ``SGLANG_SSD_CONFIG["saguaro_c"]``          1.0 (Saguaro 
                                                                    per request: sampling_params
                                                                    custom_params {"saguaro_c": C})
 draft_device           ``SGLANG_SSD_CONFIG["draft_device"]``       "cpu" / "cuda:1" on GPU
-draft_endpoint         ``SGLANG_SSD_CONFIG["draft_endpoint"]``     null = a fresh ipc:// path
+draft_endpoint         ``SGLANG_SSD_CONFIG["draft_endpoint"]``     null = a fresh ipc:// path; a
+                                                                   non-loopback tcp:// one needs
+                                                                   curve_keys
+curve_keys             ``SGLANG_SSD_CONFIG["curve_keys"]``         null; else a CurveZMQ key dir
+                                                                   (python -m sglang_ssd.draft.curve
+                                                                   keygen DIR): encrypted channel,
+                                                                   draft accepts only this worker
 spawn_draft            ``SGLANG_SSD_CONFIG["spawn_draft"]``        true: start the draft process
                                                                    bound to draft_endpoint; false:
                                                                    connect to a running one there
@@ -71,6 +77,7 @@ class SaguaroConfig:
     draft_device: str = "cpu"
     draft_endpoint: Optional[str] = None
     spawn_draft: bool = True
+    curve_keys: Optional[str] = None
     draft_dtype: str = "float32"
     draft_cpu_core: Optional[int] = None
     target_cpu_core: Optional[int] = None
@@ -134,6 +141,7 @@ class SaguaroConfig:
         if not self.spawn_draft and self.draft_endpoint is None:
             raise SaguaroConfigError(f"{ENV_VAR}: 'spawn_draft' false needs 'draft_endpoint' (where the "
                                      "draft process listens; start it with python -m sglang_ssd.draft)")
+        self._validate_curve()
         for key in ("draft_cpu_core", "target_cpu_core"):
             v = getattr(self, key)
             if v is not None and (not isinstance(v, int) or v < 0):
@@ -147,6 +155,29 @@ class SaguaroConfig:
         if not isinstance(self.stats_interval, int) or self.stats_interval < 1:
             raise SaguaroConfigError(f"{ENV_VAR} key 'stats_interval' must be an integer >= 1")
         validate_draft_path(self.draft_model_path)
+
+    def _validate_curve(self) -> None:
+        """curve_keys must hold the worker's keys (and the draft's too when we spawn it); without it a
+        non-loopback draft_endpoint is refused here, at launch, rather than at the first connect."""
+        from sglang_ssd.draft import curve  # zmq only; the draft side's one definition of the layout
+        from sglang_ssd.draft.endpoint import InsecureEndpointError, check_endpoint
+
+        if self.curve_keys is None:
+            if self.draft_endpoint is not None:
+                try:
+                    check_endpoint(str(self.draft_endpoint), curve=False, action="use")
+                except InsecureEndpointError as exc:
+                    raise SaguaroConfigError(f"{ENV_VAR} key 'draft_endpoint' without 'curve_keys': {exc}") from None
+            return
+        if not isinstance(self.curve_keys, str) or not self.curve_keys:
+            raise SaguaroConfigError(f"{ENV_VAR} key 'curve_keys' must be a directory path or null, "
+                                     f"got {self.curve_keys!r}")
+        try:
+            curve.check_key_dir(self.curve_keys, curve.CLIENT)
+            if self.spawn_draft:
+                curve.check_key_dir(self.curve_keys, curve.SERVER)
+        except curve.CurveKeyError as exc:
+            raise SaguaroConfigError(f"{ENV_VAR} key 'curve_keys': {exc}") from None
 
     @property
     def budget(self) -> int:

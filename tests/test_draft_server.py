@@ -326,7 +326,9 @@ def test_endpoints_default_to_private_ipc_and_loopback_tcp(model_dir):
     assert a.startswith("ipc:///tmp/sglang-ssd-") and a.endswith(".sock") and a != b
     assert normalize_endpoint("tcp") == "tcp://127.0.0.1:*"
     assert normalize_endpoint("tcp:5555") == normalize_endpoint("tcp://:5555") == "tcp://127.0.0.1:5555"
-    assert normalize_endpoint("tcp://10.0.0.1:7") == "tcp://10.0.0.1:7"
+    assert normalize_endpoint("tcp://10.0.0.1:7", curve=True) == "tcp://10.0.0.1:7"
+    with pytest.raises(ValueError, match="curve"):  # not loopback: CurveZMQ only (tests/test_curve.py)
+        normalize_endpoint("tcp://10.0.0.1:7")
     with pytest.raises(ValueError):
         normalize_endpoint("udp://x")
     server = DraftServer.from_model_dir(model_dir, "tcp")

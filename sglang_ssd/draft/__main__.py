@@ -2,6 +2,7 @@
 
 Runs the SSD draft process: loads the draft checkpoint with our own runner (no SGLang import),
 optionally pins itself to one CPU core, binds a ROUTER socket and serves until Shutdown/SIGTERM.
+A non-loopback tcp --bind needs --curve-keys DIR (CurveZMQ; keys: python -m sglang_ssd.draft.curve keygen DIR).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--max-batch", type=int, default=1024)
+    p.add_argument("--curve-keys", default=None, metavar="DIR",
+                   help="CurveZMQ key directory (server.key_secret + authorized_clients/): encrypt the channel "
+                        "and accept only authorized workers; required for a non-loopback tcp --bind")
     p.add_argument("--ready-file", default=None, help="write {endpoint, pid} JSON here once serving")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
@@ -37,6 +41,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [draft %(process)d] %(name)s: %(message)s")
+    from sglang_ssd.draft import curve
+    from sglang_ssd.draft.endpoint import normalize_endpoint
+
+    try:  # a refused endpoint or a bad key directory fails here, before any slow import or load
+        bind = normalize_endpoint(args.bind, curve=args.curve_keys is not None)
+        if args.curve_keys is not None:
+            curve.check_key_dir(args.curve_keys, curve.SERVER)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
     if args.cpu_core is not None:
         os.sched_setaffinity(0, {args.cpu_core})
     import torch  # after pinning, so torch's thread pools start on the chosen core
@@ -50,7 +64,8 @@ def main(argv=None) -> int:
     from sglang_ssd.draft.server import DraftServer
 
     t0 = time.perf_counter()
-    server = DraftServer.from_model_dir(args.model, args.bind, args.device, args.dtype, args.seed, args.max_batch)
+    server = DraftServer.from_model_dir(args.model, bind, args.device, args.dtype, args.seed, args.max_batch,
+                                        curve_keys=args.curve_keys)
     signal.signal(signal.SIGTERM, lambda *_: server._stop.set())
     if args.ready_file:
         tmp = args.ready_file + ".tmp"
@@ -58,8 +73,8 @@ def main(argv=None) -> int:
             json.dump({"endpoint": server.endpoint, "pid": os.getpid()}, fh)
         os.replace(tmp, args.ready_file)
     cores = sorted(os.sched_getaffinity(0))
-    logger.info("READY endpoint=%s model=%s device=%s dtype=%s cores=%s threads=%d pid=%d load=%.1fs",
-                server.endpoint, args.model, args.device, args.dtype, cores, torch.get_num_threads(),
+    logger.info("READY endpoint=%s curve=%s model=%s device=%s dtype=%s cores=%s threads=%d pid=%d load=%.1fs",
+                server.endpoint, server.curve, args.model, args.device, args.dtype, cores, torch.get_num_threads(),
                 os.getpid(), time.perf_counter() - t0)
     server.serve_forever()
     return 0

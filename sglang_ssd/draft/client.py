@@ -16,6 +16,8 @@ from typing import Callable, Optional, Sequence
 
 import zmq
 
+from sglang_ssd.draft.curve import configure_client
+from sglang_ssd.draft.endpoint import check_endpoint
 from sglang_ssd.protocol import (MAX_FRAME_BYTES, PROTOCOL_VERSION, Ack, ErrorReply, Health, HealthReply,
                                  Hello, HelloReply, Message, Prefill, ProtocolError, Release, Shutdown,
                                  Speculate, SpecReply, decode, peek_req_id)
@@ -39,16 +41,25 @@ class DraftError(RuntimeError):
 
 class DraftClient:
     def __init__(self, endpoint: str, timeout_s: float = 60.0, context: Optional[zmq.Context] = None,
-                 alive: Optional[Callable[[], bool]] = None):
+                 alive: Optional[Callable[[], bool]] = None, curve_keys: Optional[str] = None):
         """``alive``: optional liveness probe of the draft (e.g. its child process); while a reply is
         awaited it is checked every ``ALIVE_POLL_MS`` so a dead draft fails the call at once instead
-        of at the timeout."""
+        of at the timeout.  ``curve_keys``: a CurveZMQ key directory (sglang_ssd/draft/curve.py),
+        required for a non-loopback tcp endpoint (InsecureEndpointError otherwise).  A draft that
+        rejects the keys never answers: calls time out (DraftTimeout)."""
+        check_endpoint(endpoint, curve=curve_keys is not None, action="connect")
         self.endpoint, self.timeout_s, self.alive = endpoint, timeout_s, alive
         self.ctx = context or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + (1 << 20))
-        self.sock.connect(endpoint)
+        try:
+            if curve_keys is not None:
+                configure_client(self.sock, curve_keys)
+            self.sock.connect(endpoint)
+        except BaseException:
+            self.sock.close(0)
+            raise
         # start ids at a random offset so a restarted client never reuses a live id
         self._ids = itertools.count(int.from_bytes(os.urandom(3), "little") << 20)
         self.client_id = uuid.uuid4().hex

@@ -13,7 +13,9 @@ import time
 from typing import Optional
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
+from sglang_ssd.draft import curve
 from sglang_ssd.draft.endpoint import normalize_endpoint, remove_ipc_file
 from sglang_ssd.draft.engine import DraftEngine, EngineError
 from sglang_ssd.draft.runner import DraftRunner
@@ -24,27 +26,51 @@ logger = logging.getLogger(__name__)
 
 
 class DraftServer:
-    def __init__(self, engine: DraftEngine, endpoint: str | None = None, context: Optional[zmq.Context] = None):
+    def __init__(self, engine: DraftEngine, endpoint: str | None = None, context: Optional[zmq.Context] = None,
+                 curve_keys: Optional[str] = None):
+        """``curve_keys``: a CurveZMQ key directory (sglang_ssd/draft/curve.py); without one only ipc://
+        and loopback tcp endpoints may be bound.  A curve server gets a zmq context of its own unless
+        one is passed, since a context holds a single ZAP authenticator."""
         self.engine = engine
-        self.ctx = context or zmq.Context.instance()
+        endpoint = normalize_endpoint(endpoint, curve=curve_keys is not None)
+        self._own_ctx = context is None and curve_keys is not None
+        self.ctx = zmq.Context() if self._own_ctx else (context or zmq.Context.instance())
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + (1 << 20))
-        self.sock.bind(normalize_endpoint(endpoint))
-        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.auth: Optional[ThreadAuthenticator] = None
+        self.curve = curve_keys is not None
+        self.endpoint = endpoint
+        self._bound = False  # an ipc file is ours to remove only once we bound it
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.protocol_errors = 0
         self.handler_errors = 0
+        try:
+            if curve_keys is not None:
+                self.auth = curve.configure_server(self.sock, self.ctx, curve_keys)
+            self.sock.bind(endpoint)
+        except BaseException:
+            self.close()
+            raise
+        self._bound = True
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     @classmethod
     def from_model_dir(cls, model_dir: str, endpoint: str | None = None, device: str = "cpu",
-                       dtype: str = "float32", seed: int = 0, max_batch: int = 1024) -> "DraftServer":
-        return cls(DraftEngine(DraftRunner.from_dir(model_dir, device, dtype), seed, max_batch), endpoint)
+                       dtype: str = "float32", seed: int = 0, max_batch: int = 1024,
+                       curve_keys: Optional[str] = None) -> "DraftServer":
+        # endpoint and keys are checked before the (slow) model load, so a bad setting fails at once
+        endpoint = normalize_endpoint(endpoint, curve=curve_keys is not None)
+        if curve_keys is not None:
+            curve.check_key_dir(curve_keys, curve.SERVER)
+        return cls(DraftEngine(DraftRunner.from_dir(model_dir, device, dtype), seed, max_batch), endpoint,
+                   curve_keys=curve_keys)
 
     # ---------------------------------------------------------------------------------- loop
     def serve_forever(self, poll_ms: int = 100) -> None:
-        logger.info("draft server listening on %s", self.endpoint)
+        logger.info("draft server listening on %s (%s)", self.endpoint,
+                    "CurveZMQ: authorized workers only" if self.curve else "no authentication: loopback / ipc")
         try:
             while not self._stop.is_set():
                 if not self.sock.poll(poll_ms):
@@ -53,9 +79,21 @@ class DraftServer:
                 if not self._handle_frames(frames):
                     break
         finally:
-            self.sock.close(0)
-            remove_ipc_file(self.endpoint)
+            self.close()
             logger.info("draft server on %s stopped", self.endpoint)
+
+    def close(self) -> None:
+        """Close the socket, stop the ZAP authenticator with it, and free what this server owns.
+        Idempotent; call from the thread that serves (or when it never served)."""
+        if not self.sock.closed:
+            self.sock.close(0)
+        if self.auth is not None:
+            self.auth.stop()
+            self.auth = None
+        if self._own_ctx and not self.ctx.closed:
+            self.ctx.term()
+        if self._bound:
+            remove_ipc_file(self.endpoint)
 
     def _handle_frames(self, frames: list) -> bool:
         """-> False when the loop must stop (Shutdown)."""
@@ -138,3 +176,5 @@ class DraftServer:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        else:  # never served: nothing else will close the socket and the authenticator
+            self.close()

@@ -1,6 +1,6 @@
 """Print what a running draft process has learned: hit rates, the live fan-out fit, the backup choice.
 
-    python -m sglang_ssd.draft.stats ENDPOINT [--json]
+    python -m sglang_ssd.draft.stats ENDPOINT [--json] [--curve-keys DIR]
 
 ENDPOINT is the draft's ZeroMQ address (SGLANG_SSD_CONFIG draft_endpoint, or the ipc:// path in the
 server log).  With fan_out_auto the fitted acceptance a and miss exponent r per source (primary = the
@@ -42,8 +42,10 @@ def main(argv=None) -> int:
     ap.add_argument("endpoint")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--timeout", type=float, default=10.0)
+    ap.add_argument("--curve-keys", default=None, metavar="DIR",
+                    help="CurveZMQ key directory (a draft on another host)")
     args = ap.parse_args(argv)
-    with DraftClient(args.endpoint, timeout_s=args.timeout) as client:
+    with DraftClient(args.endpoint, timeout_s=args.timeout, curve_keys=args.curve_keys) as client:
         h = client.health()
     print(json.dumps(h, indent=1) if args.json else format_health(h))
     return 0

@@ -101,6 +101,8 @@ class DraftLink:
             core = (os.cpu_count() or 1) - 1
         if core is not None:
             cmd += ["--cpu-core", str(core)]
+        if self.cfg.curve_keys is not None:
+            cmd += ["--curve-keys", self.cfg.curve_keys]
         logger.info("saguaro: starting draft process: %s", " ".join(cmd))
         self.proc = subprocess.Popen(cmd)
 
@@ -111,7 +113,8 @@ class DraftLink:
             if self.client is not None:
                 self.client.close()
             self.client = self._client_cls(self.endpoint, timeout_s=self.cfg.draft_timeout_s,
-                                           alive=self._alive if self.spawn else None)
+                                           alive=self._alive if self.spawn else None,
+                                           curve_keys=self.cfg.curve_keys)
             # at startup wait for the draft to load; later (serving) try once, briefly: rounds keep
             # decoding with the target alone meanwhile, and the next try comes after a backoff
             deadline = time.monotonic() + (self.cfg.startup_timeout_s if startup else 0.0)

@@ -103,18 +103,19 @@ class DraftEngine:
         new = Session(msg.client_id, msg.k, msg.mode, list(msg.fan_out),
                       list(msg.fan_out_miss if msg.fan_out_miss is not None else msg.fan_out),
                       msg.vocab_size, list(msg.eos_ids), msg.backup, msg.fan_out_auto)
-        if new != self.session:
-            if self.requests:
-                logger.warning("new session (client %s, K=%d, %s, fan_out %s): dropping %d live requests",
-                               new.client_id, new.k, new.mode, new.fan_out, len(self.requests))
-            self.reset()
-            self.session = new
-            self.backups = BackupChooser(new.backup)
-            self.fanout = LiveFanOut(sum(new.fan_out), new.k) if new.fan_out_auto and new.mode == "async" else None
-            if self.fanout is not None:
-                new.fan_out, new.fan_out_miss = map(list, self.fanout.schedules())
-            logger.info("session: client %s K=%d mode=%s fan_out=%s fan_out_miss=%s backup=%s", new.client_id,
-                        new.k, new.mode, new.fan_out, new.fan_out_miss, new.backup)
+        # every Hello starts a fresh session: the worker says Hello only at (re)connect, after which it
+        # re-prefills its live requests, so anything the draft still holds is stale (and would leak)
+        if self.requests:
+            logger.warning("new session (client %s, K=%d, %s, fan_out %s): dropping %d requests of the old one",
+                           new.client_id, new.k, new.mode, new.fan_out, len(self.requests))
+        self.reset()
+        self.session = new
+        self.backups = BackupChooser(new.backup)
+        self.fanout = LiveFanOut(sum(new.fan_out), new.k) if new.fan_out_auto and new.mode == "async" else None
+        if self.fanout is not None:
+            new.fan_out, new.fan_out_miss = map(list, self.fanout.schedules())
+        logger.info("session: client %s K=%d mode=%s fan_out=%s fan_out_miss=%s backup=%s", new.client_id,
+                    new.k, new.mode, new.fan_out, new.fan_out_miss, new.backup)
         return HelloReply(version=PROTOCOL_VERSION, draft_vocab_size=self.runner.vocab_size,
                           draft_model_name=self.runner.cfg.name[:4096], pid=os.getpid(),
                           device=str(self.runner.device), dtype=str(self.runner.dtype).replace("torch.", ""),

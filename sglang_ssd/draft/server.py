@@ -24,6 +24,10 @@ from sglang_ssd.protocol import (MAX_FRAME_BYTES, Ack, ErrorReply, Health, Healt
 
 logger = logging.getLogger(__name__)
 
+# A draft serves ONE target: another target's Hello is refused while the owner has live requests and
+# was heard from within this many seconds (after that the owner is presumed gone and may be replaced).
+TAKEOVER_IDLE_S = 30.0
+
 
 class DraftServer:
     def __init__(self, engine: DraftEngine, endpoint: str | None = None, context: Optional[zmq.Context] = None,
@@ -46,6 +50,10 @@ class DraftServer:
         self._thread: Optional[threading.Thread] = None
         self.protocol_errors = 0
         self.handler_errors = 0
+        self.refused_peers = 0
+        self.owner_id: Optional[str] = None  # Hello.client_id of the target this draft serves
+        self.owner_ident: Optional[bytes] = None  # its current ROUTER identity (new after a reconnect)
+        self.owner_seen = 0.0
         try:
             if curve_keys is not None:
                 self.auth = curve.configure_server(self.sock, self.ctx, curve_keys)
@@ -108,7 +116,12 @@ class DraftServer:
             return True
         t0 = time.perf_counter()
         try:
+            self._admit(ident, msg)
             reply = self._dispatch(msg)
+            if isinstance(msg, Hello):
+                self.owner_id, self.owner_ident = msg.client_id, ident
+            if ident == self.owner_ident:
+                self.owner_seen = time.monotonic()
         except EngineError as exc:
             logger.warning("rejected %s (req_id %d): %s", msg.TYPE, msg.req_id, exc.message)
             reply = ErrorReply(message=exc.message[:60000], rids=exc.rids, req_id=msg.req_id)
@@ -121,7 +134,7 @@ class DraftServer:
         reply.req_id = msg.req_id
         self._send(ident, reply)
         logger.debug("%s handled in %.2f ms", msg.TYPE, (time.perf_counter() - t0) * 1e3)
-        if isinstance(msg, Shutdown):
+        if isinstance(msg, Shutdown) and not isinstance(reply, ErrorReply):
             return False
         if self.engine.pending:  # ANSWER FIRST, then build the next round's cache
             try:
@@ -131,6 +144,25 @@ class DraftServer:
                 logger.exception("cache build failed; next round will miss")
                 self.engine.cache.clear()
         return True
+
+    def _admit(self, ident: bytes, msg: Message) -> None:
+        """Isolation between targets: only the session owner (the client_id of the accepted Hello, at
+        the identity it last said Hello from) may prefill / speculate / release / shut down; a second
+        target's Hello is refused while the owner is active.  Health is open to any local peer."""
+        if isinstance(msg, Health) or ident == self.owner_ident:
+            return
+        active = bool(self.engine.requests) and time.monotonic() - self.owner_seen < TAKEOVER_IDLE_S
+        if isinstance(msg, Hello):
+            if self.owner_id is None or msg.client_id == self.owner_id or not active:
+                return
+            why = (f"this draft serves another target (client {self.owner_id[:12]}, {len(self.engine.requests)} "
+                   f"live requests); one draft process serves one target: start another draft process")
+        elif isinstance(msg, Shutdown) and not active:
+            return
+        else:
+            why = f"{msg.TYPE} from a peer that is not this draft's session owner (send Hello first)"
+        self.refused_peers += 1
+        raise EngineError(why, getattr(msg, "rids", []))
 
     def _dispatch(self, msg: Message) -> Message:
         e = self.engine
@@ -145,6 +177,7 @@ class DraftServer:
         if isinstance(msg, Health):
             stats = e.health()
             stats.update(protocol_errors=self.protocol_errors, handler_errors=self.handler_errors,
+                         refused_peers=self.refused_peers,
                          sglang_imported=int(any(m == "sglang" or m.startswith("sglang.") for m in sys.modules)))
             return HealthReply(stats=stats)
         if isinstance(msg, Shutdown):

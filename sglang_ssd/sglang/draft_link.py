@@ -85,6 +85,7 @@ class DraftLink:
         self.client_ok = True  # False after an error, until a reconnect succeeds
         self._last_round_end: Optional[float] = None
         self._wait_ema = 0.0  # recent draft reply time (s), successful rounds only
+        self.client_id = uuid.uuid4().hex  # stable across reconnects: the draft knows its owner by it
         self._next_retry = 0.0
         self._backoff = 1.0
         self.endpoint = cfg.draft_endpoint or f"ipc://{tempfile.gettempdir()}/sglang-ssd-{uuid.uuid4().hex[:12]}.sock"
@@ -121,6 +122,7 @@ class DraftLink:
             while True:
                 try:
                     info = self.client.hello(k=self.k, mode=self.cfg.mode, fan_out=self.cfg.fan_out,
+                                             client_id=self.client_id,
                                              vocab_size=self.vocab_size, eos_ids=self.eos_ids,
                                              timeout_s=None if startup else self.cfg.round_deadline_s,
                                              backup=self.cfg.backup,

@@ -1,0 +1,111 @@
+"""The worker's DraftLink against a confused draft (issue 7): replies with the wrong round, the wrong number
+of rows, token ids outside the vocabulary, q of the wrong shape, or an error, and a draft that never
+answers. Each is rejected, logged and counted; the round falls back to target-only decoding (nothing
+the draft sent is used) and the link reconnects on a later round."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import zmq
+
+from sglang_ssd.config import SaguaroConfig
+from sglang_ssd.draft.endpoint import remove_ipc_file
+from sglang_ssd.protocol import (PROTOCOL_VERSION, Ack, ErrorReply, Hello, HelloReply, Prefill, Release,
+                                 SpecReply, Speculate, decode)
+from tests.tiny_models import make_tiny_model
+
+K, V = 3, 96
+
+
+class FakeDraft:
+    """A ROUTER that speaks the protocol correctly except for Speculate, answered by `bad(msg)`."""
+
+    def __init__(self, bad):
+        self.endpoint = f"ipc:///tmp/sglang-ssd-test-{uuid.uuid4().hex}.sock"
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.bind(self.endpoint)
+        self.bad, self.hellos, self.stop = bad, 0, threading.Event()
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
+
+    def serve(self):
+        while not self.stop.is_set():
+            if not self.sock.poll(20):
+                continue
+            ident, *frames = self.sock.recv_multipart()
+            msg = decode(frames)
+            if isinstance(msg, Hello):
+                self.hellos += 1
+                reply = HelloReply(PROTOCOL_VERSION, V, "fake", 1)
+            elif isinstance(msg, (Prefill, Release)):
+                reply = Ack(count=len(msg.rids))
+            elif isinstance(msg, Speculate):
+                reply = self.bad(msg)
+                if reply is None:
+                    continue  # never answer
+            else:
+                reply = Ack()
+            reply.req_id = msg.req_id
+            self.sock.send_multipart([ident, *reply.encode()])
+
+    def close(self):
+        self.stop.set()
+        self.thread.join()
+        self.sock.close(0)
+        self.ctx.term()
+        remove_ipc_file(self.endpoint)
+
+
+def _reply(msg, n=None, k=K, round_id=None, token=1, q_rows=(), q_shape=None):
+    n = len(msg.rids) if n is None else n
+    q = np.zeros(q_shape if q_shape is not None else (len(q_rows), k, V), dtype=np.float16)
+    return SpecReply(round_id=msg.round_id if round_id is None else round_id,
+                     tokens=np.full((n, k), token, dtype=np.int64), hit=np.zeros(n, dtype=np.bool_),
+                     q_rows=np.asarray(q_rows, dtype=np.int64), q=q)
+
+
+CASES = {
+    "wrong round": lambda m: _reply(m, round_id=m.round_id + 7),
+    "missing rows": lambda m: _reply(m, n=len(m.rids) - 1),
+    "token id outside the vocabulary": lambda m: _reply(m, token=V + 5),
+    "q of the wrong vocabulary": lambda m: _reply(m, q_rows=[0], q_shape=(1, K, V - 1)),
+    "error reply": lambda m: ErrorReply(message="confused", rids=list(m.rids)),
+    "no answer": lambda m: None,
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_confused_draft_rounds_fall_back_and_are_counted(case):
+    model_dir = make_tiny_model(vocab_size=V, seed=1)
+    fake = FakeDraft(CASES[case])
+    from sglang_ssd.sglang.draft_link import DraftLink
+
+    env = {"SGLANG_SSD_CONFIG": json.dumps({"spawn_draft": False, "draft_endpoint": fake.endpoint, "fan_out": 1,
+                                            "round_deadline_s": 0.3, "startup_timeout_s": 10})}
+    link = DraftLink(SaguaroConfig.from_sources(model_dir, K, env=env), vocab_size=V, eos_ids=[])
+    reqs = [SimpleNamespace(rid=f"r{i}", origin_input_ids=[1, 2, 3], output_ids=[4], sampling_params=None)
+            for i in range(2)]
+    try:
+        t0 = time.monotonic()
+        prop = link.speculate(reqs, [0.0, 1.0])
+        assert time.monotonic() - t0 < 5.0  # bounded even when the draft never answers
+        # nothing from the bad reply is used: a target-only round (no drafts may be accepted)
+        assert prop.max_accept.tolist() == [0, 0] and not prop.q_valid.any() and not prop.hit.any()
+        assert link.stats.errors == 1 and link.stats.fallback_rows == 2
+        assert link.stats.deadline_misses == (1 if case == "no answer" else 0)
+        assert not link.client_ok and link.states == {}  # the link will reconnect and re-prefill
+        link._next_retry = 0.0
+        link.speculate(reqs, [0.0, 1.0])  # next round: a fresh Hello (then the same bad answer)
+        assert fake.hellos == 2 and link.stats.reconnects == 1
+    finally:
+        link.cfg.spawn_draft = False
+        link.client.close()
+        fake.close()

@@ -8,9 +8,9 @@ per kind: chat, code, factual, math). Sweeps, in priority order (tiers), each ce
   1. headline: b = 1, K = 3, AR / SD / SSD, T = 0 and 1;
   2. batch:    b = 2, 4, 8, K = 3, AR / SD / SSD, T = 0 and 1;
   3. K:        K = 4, 5 for SD / SSD at b = 1, T = 0 and 1.
-Batch size b = b concurrent requests (continuous batching); each repeat sends max(4, b) requests, one per
-kind in turn, taking the next prompts of the set, so repeats see different prompts and every mode sees the
-same prompts at the same (T, b, repeat). One server per (mode, K); repeats interleave with the T and b
+Batch size b = b concurrent requests; each repeat sends 4 requests at b = 1 (one per kind) and one wave of
+b requests at b > 1, taking the next prompts of the kind-interleaved set, so repeats see different prompts
+and every mode sees the same prompts at the same (T, b, repeat). One server per (mode, K); repeats interleave with the T and b
 cells on that server, so slow drift of the machine hits all cells alike.
 
 Resumable: every finished cell is saved to results/cpu_bench.json at once; re-running the same command
@@ -76,8 +76,9 @@ def ordered_prompts(items: list[dict]) -> list[dict]:
 
 
 def cell_prompts(order: list, c: dict) -> list:
-    """max(4, b) prompts for this (T, b, repeat): fixed and recorded, disjoint across repeats where possible."""
-    n = max(4, c["batch"])
+    """The cell's prompts for this (T, b, repeat), fixed and recorded: 4 at b = 1 (one per kind), else b (one
+    wave of b concurrent requests); successive repeats take the next prompts of the kind-interleaved set."""
+    n = 4 if c["batch"] == 1 else c["batch"]
     start = (c["rep"] * n + (8 if c["temperature"] else 0) + 16 * [1, 2, 4, 8].index(c["batch"])) % len(order)
     return [order[(start + i) % len(order)] for i in range(n)]
 

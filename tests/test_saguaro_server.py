@@ -18,7 +18,8 @@ from tests.prompts import all_prompt_ids
 
 pytestmark = pytest.mark.server
 NEW_TOKENS = 40
-COMMON = ["--dtype", "float32", "--max-running-requests", "8", "--random-seed", "1"]
+CONTEXT = 512  # small context so a prompt can sit right at the limit
+COMMON = ["--dtype", "float32", "--max-running-requests", "8", "--random-seed", "1", "--context-length", str(CONTEXT)]
 
 
 def _saguaro_server(target, draft, mode, tmp_path, **extra_cfg):
@@ -54,7 +55,8 @@ def reference(target_path, prompts, tmp_path_factory):
     with SGLangServer(target_path, COMMON, cpu_core=0, log_path=str(log)) as srv:
         greedy = _run_concurrent(srv, prompts, {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True})
         mixed = _mixed_requests(srv, prompts)
-    return {"greedy": [o["output_ids"] for o in greedy], "mixed": mixed}
+        extreme = _extreme_requests(srv, prompts)
+    return {"greedy": [o["output_ids"] for o in greedy], "mixed": mixed, "extreme": extreme}
 
 
 def _mixed_requests(srv, prompts):
@@ -69,12 +71,27 @@ def _mixed_requests(srv, prompts):
     return [(o["output_ids"], o["text"], o["meta_info"]["finish_reason"]) for o in outs]
 
 
+def _extreme_requests(srv, prompts):
+    """Edge parameters: one new token, top_k 1 at T = 1 (greedy), T = 2.0, and a prompt ending a few
+    tokens before the context limit (SGLang clips max_new_tokens there; speculation must not run past it)."""
+    long_ids = (prompts[0] * (CONTEXT // len(prompts[0]) + 1))[: CONTEXT - 6]
+    specs = [(prompts[1], {"temperature": 0, "max_new_tokens": 1}),
+             (prompts[2], {"temperature": 1.0, "top_k": 1, "max_new_tokens": 24, "ignore_eos": True}),
+             (long_ids, {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True})]
+    outs = [srv.generate(input_ids=ids, sampling_params=sp) for ids, sp in specs]
+    hot = srv.generate(input_ids=prompts[3], sampling_params={"temperature": 2.0, "max_new_tokens": 16,
+                                                               "ignore_eos": True})
+    return {"exact": [(o["output_ids"], o["meta_info"]["finish_reason"]) for o in outs],
+            "hot_len": len(hot["output_ids"]), "long_prompt_len": len(long_ids)}
+
+
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_saguaro_equals_plain_sglang(mode, target_path, draft_path, prompts, reference, tmp_path):
     srv = _saguaro_server(target_path, draft_path, mode, tmp_path)
     with srv:
         outs = _run_concurrent(srv, prompts, {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True})
         mixed = _mixed_requests(srv, prompts)
+        extreme = _extreme_requests(srv, prompts)
         aborted = _abort_mid_generation(srv, prompts[0])
         # per-request Saguaro sampling C (custom_params) travels to the draft; rows stay exact (no errors)
         sampled = _run_concurrent(srv, prompts[:4], {"temperature": 0.8, "top_p": 0.95, "max_new_tokens": 24,
@@ -93,6 +110,11 @@ def test_saguaro_equals_plain_sglang(mode, target_path, draft_path, prompts, ref
         assert o["meta_info"]["spec_verify_ct"] > 0
     for got, ref in zip(mixed, reference["mixed"]):
         assert got == ref
+    # extreme parameters behave exactly as without speculation (T = 2.0: same length, valid run)
+    assert extreme == reference["extreme"]
+    assert len(reference["extreme"]["exact"][0][0]) == 1 and extreme["hot_len"] == 16
+    long_out = reference["extreme"]["exact"][2][0]
+    assert 0 < len(long_out) < 64 and len(long_out) + extreme["long_prompt_len"] <= CONTEXT  # clipped at the limit
     assert aborted
     # grammar-constrained requests are refused with a clear error, not silently unconstrained
     assert "Grammar-based generation" in grammar.text, grammar.text[:500]

@@ -48,7 +48,7 @@ KINDS = ("chat", "code", "factual", "math")
 TEMPS = (0.0, 1.0)
 FAN_OUT = 4  # per depth (budget 4 K), as the demo and results/draft_quality.md
 LINK_KEYS = ("rounds", "rows", "hits", "fallback_rows", "waited_rounds", "wait_s", "verify_s", "accept_s",
-             "round_s", "gap_s", "errors")
+             "round_s", "gap_s", "answer_s", "backup_s", "errors")
 DRAFT_KEYS = ("neural_backup_rows", "fast_backup_rows", "backup_rows", "builds")
 
 
@@ -172,6 +172,10 @@ def run_cell(srv, c: dict, prompts: list[list[int]], tokens: int) -> dict:
                     # per-round time split (ms): draft wait, target verify forward, exact acceptance,
                     # the rest of the worker, the scheduler between rounds; and the draft's cache builds
                     "wait_ms": round(1000 * d["wait_s"] / rounds, 2),
+                    # of the wait: the draft answering (lookup + just-in-time backup decode) vs the rest
+                    # (the draft still busy with its previous cache build, plus the RPC itself)
+                    "draft_answer_ms": round(1000 * d["answer_s"] / rounds, 2),
+                    "draft_backup_ms": round(1000 * d["backup_s"] / rounds, 2),
                     "verify_ms": round(1000 * d["verify_s"] / rounds, 2),
                     "accept_ms": round(1000 * d["accept_s"] / rounds, 2),
                     "worker_other_ms": round(1000 * (d["round_s"] - d["wait_s"] - d["verify_s"] - d["accept_s"])

@@ -17,7 +17,7 @@ OUT = Path(__file__).resolve().parent.parent / "results" / "cpu_bench"
 MODES = ("ar", "sd", "ssd")
 NAMES = {"ar": "AR", "sd": "SD", "ssd": "SSD"}
 METRICS = ("tok_s", "tpot_ms", "accept_len", "hit_rate", "waited_frac", "backup_frac", "wait_ms", "verify_ms",
-           "accept_ms", "worker_other_ms", "sched_gap_ms", "build_ms")
+           "accept_ms", "worker_other_ms", "sched_gap_ms", "build_ms", "draft_answer_ms", "draft_backup_ms")
 
 
 def aggregate(state: dict) -> dict[tuple, dict]:
@@ -81,20 +81,22 @@ def full_table(agg: dict) -> list[str]:
 
 def time_split(agg: dict) -> list[str]:
     """Where a decode round's time goes (ms per round, medians) and what that costs per output token."""
-    L = ["| mode | K | T | b | draft wait | target verify | acceptance | worker rest | scheduler | round total | "
-         "tokens/round/request | ms/token (b=1) | draft cache build |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    L = ["| mode | K | T | b | draft wait | (draft answering / backup) | target verify | acceptance | worker rest | "
+         "scheduler | round total | tokens/round/request | ms/token (b=1) | draft cache build |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (mode, k, t, b), a in sorted(agg.items(), key=lambda x: (x[0][3], x[0][2], x[0][1], x[0][0])):
         if mode == "ar" or "verify_ms" not in a or b not in (1, 4):
             continue
         parts = [a[m][0] for m in ("wait_ms", "verify_ms", "accept_ms", "worker_other_ms", "sched_gap_ms")]
         total = sum(parts)
         per_tok = f"{total / a['accept_len'][0]:.1f}" if b == 1 else "-"
-        L.append(f"| {NAMES[mode]} | {k} | {t:g} | {b} | " + " | ".join(f"{x:.1f}" for x in parts) +
+        ans = (f"{a['draft_answer_ms'][0]:.1f} / {a['draft_backup_ms'][0]:.1f}" if "draft_answer_ms" in a else "-")
+        cells = [f"{parts[0]:.1f}", ans] + [f"{x:.1f}" for x in parts[1:]]
+        L.append(f"| {NAMES[mode]} | {k} | {t:g} | {b} | " + " | ".join(cells) +
                  f" | {total:.1f} | {a['accept_len'][0]:.2f} | {per_tok} | {a['build_ms'][0]:.1f} |")
     for t in (0.0, 1.0):
         if _key("ar", 0, t, 1) in agg:
-            L.append(f"| AR | - | {t:g} | 1 | - | - | - | - | - | - | 1 | "
+            L.append(f"| AR | - | {t:g} | 1 | - | - | - | - | - | - | - | 1 | "
                      f"{1000 / agg[_key('ar', 0, t, 1)]['tok_s'][0]:.1f} | - |")
     return L
 

@@ -58,6 +58,8 @@ class LinkStats:
     accept_s: float = 0.0  # target probabilities + exact acceptance
     round_s: float = 0.0  # whole decode round inside the worker (wait + verify + accept + glue)
     gap_s: float = 0.0  # scheduler time between consecutive decode rounds (idle gaps > 1 s excluded)
+    answer_s: float = 0.0  # the draft's own time to answer (its reply's answer_ms: lookup + backup decode)
+    backup_s: float = 0.0  # ... of which just-in-time backup decoding of missed rows
     reconnects: int = 0
     errors: int = 0
     deadline_misses: int = 0  # rounds whose drafts did not arrive within round_deadline_s
@@ -236,6 +238,8 @@ class DraftLink:
         self._wait_ema = 0.9 * self._wait_ema + 0.1 * wait
         self.stats.wait_s += wait
         self.stats.waited_rounds += int(wait > WAITED_S)
+        self.stats.answer_s += reply.answer_ms / 1e3
+        self.stats.backup_s += reply.backup_ms / 1e3
         self.stats.hits += int(hit.sum())
         return Proposal(tokens, q16, q_valid, torch.full((bs,), self.k, dtype=torch.int64), hit, wait)
 
@@ -315,7 +319,8 @@ class DraftLink:
                 "rows": s.rows, "hits": s.hits, "hit_rate": s.hits / rows, "accept_len": s.accepted / rows,
                 "draft_wait_ms": 1000 * s.wait_s / max(s.rounds, 1), "fallback_rows": s.fallback_rows,
                 "waited_rounds": s.waited_rounds, "wait_s": s.wait_s, "verify_s": s.verify_s,
-                "accept_s": s.accept_s, "round_s": s.round_s, "gap_s": s.gap_s,
+                "accept_s": s.accept_s, "round_s": s.round_s, "gap_s": s.gap_s, "answer_s": s.answer_s,
+                "backup_s": s.backup_s,
                 "errors": s.errors, "reconnects": s.reconnects, "deadline_misses": s.deadline_misses,
                 "accept_hist": s.hist}
 

@@ -106,44 +106,43 @@ def plots(agg: dict, out: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def series(ax, pts, label):
+        """One median line with min-max error bars; pts = [(x, (median, min, max)), ...]."""
+        pts = [(x, v) for x, v in pts if v]
+        if pts:
+            ax.errorbar([x for x, _ in pts], [v[0] for _, v in pts], capsize=3, marker="o", label=label,
+                        yerr=[[v[0] - v[1] for _, v in pts], [v[2] - v[0] for _, v in pts]])
+
+    def by_batch(name, ylabel, draw):
+        """Two panels (T = 0, T = 1) over batch size at K = 3; draw(ax, t) adds the series."""
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+        for ax, t in zip(axes, (0.0, 1.0)):
+            draw(ax, t)
+            ax.set(title=f"T = {t:g} (K = 3)", xlabel="batch size", xscale="log", xticks=batches,
+                   xticklabels=[str(b) for b in batches])
+            ax.minorticks_off()
+            ax.grid(alpha=0.3)
+        axes[0].set_ylabel(ylabel)
+        axes[0].legend()
+        fig.tight_layout()
+        fig.savefig(out.parent / f"{out.name}_{name}.png", dpi=110)
+        made.append(f"{out.name}_{name}.png")
+
     made = []
     batches = sorted({key[3] for key in agg})
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, t in zip(axes, (0.0, 1.0)):
-        for mode in MODES:
-            pts = [(b, agg[_key(mode, 3, t, b)]["tok_s"]) for b in batches if _key(mode, 3, t, b) in agg]
-            if pts:
-                ax.errorbar([b for b, _ in pts], [v[0] for _, v in pts], capsize=3, marker="o", label=NAMES[mode],
-                            yerr=[[v[0] - v[1] for _, v in pts], [v[2] - v[0] for _, v in pts]])
-        ax.set(title=f"T = {t:g} (K = 3)", xlabel="batch size", xscale="log", xticks=batches,
-               xticklabels=[str(b) for b in batches])
-        ax.minorticks_off()
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("decode tokens/s")
-    axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(out.parent / f"{out.name}_tokps.png", dpi=110)
-    made.append(f"{out.name}_tokps.png")
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, t in zip(axes, (0.0, 1.0)):
+    def tokps(ax, t):
+        for mode in MODES:
+            series(ax, [(b, agg.get(_key(mode, 3, t, b), {}).get("tok_s")) for b in batches], NAMES[mode])
+
+    def speedup(ax, t):
         for num, den in (("ssd", "sd"), ("ssd", "ar"), ("sd", "ar")):
-            pts = [(b, ratio(agg, _key(num, 3, t, b), _key(den, 3, t, b))) for b in batches]
-            pts = [(b, v) for b, v in pts if v]
-            if pts:
-                ax.errorbar([b for b, _ in pts], [v[0] for _, v in pts], capsize=3, marker="o",
-                            label=f"{NAMES[num]}/{NAMES[den]}",
-                            yerr=[[v[0] - v[1] for _, v in pts], [v[2] - v[0] for _, v in pts]])
+            series(ax, [(b, ratio(agg, _key(num, 3, t, b), _key(den, 3, t, b))) for b in batches],
+                   f"{NAMES[num]}/{NAMES[den]}")
         ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set(title=f"T = {t:g} (K = 3)", xlabel="batch size", xscale="log", xticks=batches,
-               xticklabels=[str(b) for b in batches])
-        ax.minorticks_off()
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("speedup (tokens/s ratio)")
-    axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(out.parent / f"{out.name}_speedup.png", dpi=110)
-    made.append(f"{out.name}_speedup.png")
+
+    by_batch("tokps", "decode tokens/s", tokps)
+    by_batch("speedup", "speedup (tokens/s ratio)", speedup)
 
     ks = sorted({key[1] for key in agg if key[0] == "ssd"})
     fig, ax = plt.subplots(figsize=(5.5, 4))
@@ -151,8 +150,7 @@ def plots(agg: dict, out: Path) -> list[str]:
         for b in sorted({key[3] for key in agg if key[0] == "ssd"}):
             pts = [(k, agg[("ssd", k, t, b)]["hit_rate"]) for k in ks if ("ssd", k, t, b) in agg]
             if len(pts) > 1:
-                ax.errorbar([k for k, _ in pts], [v[0] for _, v in pts], capsize=3, marker="o", label=f"T={t:g} b={b}",
-                            yerr=[[v[0] - v[1] for _, v in pts], [v[2] - v[0] for _, v in pts]])
+                series(ax, pts, f"T={t:g} b={b}")
     ax.set(title="SSD cache hit rate vs K", xlabel="K (speculated tokens)", ylabel="hit rate", xticks=ks)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -72,17 +72,20 @@ def _mixed_requests(srv, prompts):
 
 
 def _extreme_requests(srv, prompts):
-    """Edge parameters: one new token, top_k 1 at T = 1 (greedy), T = 2.0, and a prompt ending a few
-    tokens before the context limit (SGLang clips max_new_tokens there; speculation must not run past it)."""
-    long_ids = (prompts[0] * (CONTEXT // len(prompts[0]) + 1))[: CONTEXT - 6]
+    """Edge parameters: one new token, top_k 1 at T = 1 (greedy), T = 2.0, a request that ends exactly
+    at the context limit (speculation's K+1-token windows must not run past it) and one that would
+    overrun it (SGLang refuses it; saguaro must refuse it the same way)."""
+    long_ids = (prompts[0] * (CONTEXT // len(prompts[0]) + 1))[: CONTEXT - 40 - 2]
     specs = [(prompts[1], {"temperature": 0, "max_new_tokens": 1}),
              (prompts[2], {"temperature": 1.0, "top_k": 1, "max_new_tokens": 24, "ignore_eos": True}),
-             (long_ids, {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True})]
+             (long_ids, {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True})]
     outs = [srv.generate(input_ids=ids, sampling_params=sp) for ids, sp in specs]
     hot = srv.generate(input_ids=prompts[3], sampling_params={"temperature": 2.0, "max_new_tokens": 16,
                                                                "ignore_eos": True})
+    over = requests.post(srv.url + "/generate", timeout=120, json={
+        "input_ids": long_ids + prompts[0][:30], "sampling_params": {"temperature": 0, "max_new_tokens": 40}})
     return {"exact": [(o["output_ids"], o["meta_info"]["finish_reason"]) for o in outs],
-            "hot_len": len(hot["output_ids"]), "long_prompt_len": len(long_ids)}
+            "hot_len": len(hot["output_ids"]), "over": (over.status_code, over.text)}
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
@@ -113,8 +116,8 @@ def test_saguaro_equals_plain_sglang(mode, target_path, draft_path, prompts, ref
     # extreme parameters behave exactly as without speculation (T = 2.0: same length, valid run)
     assert extreme == reference["extreme"]
     assert len(reference["extreme"]["exact"][0][0]) == 1 and extreme["hot_len"] == 16
-    long_out = reference["extreme"]["exact"][2][0]
-    assert 0 < len(long_out) < 64 and len(long_out) + extreme["long_prompt_len"] <= CONTEXT  # clipped at the limit
+    assert len(reference["extreme"]["exact"][2][0]) == 40  # ran up to 2 tokens short of the context limit
+    assert reference["extreme"]["over"][0] == 400, reference["extreme"]["over"]  # refused, same message
     assert aborted
     # grammar-constrained requests are refused with a clear error, not silently unconstrained
     assert "Grammar-based generation" in grammar.text, grammar.text[:500]

@@ -391,3 +391,25 @@ def test_mixed_batch():
     assert g_test_pvalue(extend_and_count(out[N:2 * N], lens[N:2 * N], p, v, g), joint) > 1e-4
     ref_lens, ref_out = greedy_reference(pc.argmax(-1), dc, torch.full((300,), k))
     assert torch.equal(lens[2 * N:], ref_lens) and torch.equal(out[2 * N:], ref_out)
+
+
+def test_sample_inverse_cdf_law_zeros_and_rounding_edge(monkeypatch):
+    """The draft's sampler: frequencies match probs (G-test), zero-probability tokens are never drawn,
+    unnormalised rows work, and a uniform that rounds u * total up to total still lands on a token with
+    mass (the last one), never past the row or on a zero."""
+    from scipy.stats import chi2
+
+    g = torch.Generator().manual_seed(7)
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.2, 0.3, 0.0], [2.0, 0.0, 1.0, 0.0, 0.0, 1.0]])  # row 2 unnormalised
+    n = 40000
+    draws = verify.sample_inverse_cdf(probs.repeat(n, 1), g).view(n, 2)
+    for row in range(2):
+        want = probs[row] / probs[row].sum()
+        counts = torch.bincount(draws[:, row], minlength=6).double()
+        assert counts[want == 0].sum() == 0
+        obs, exp = counts[want > 0], n * want[want > 0].double()
+        gstat = 2 * (obs * (obs / exp).log()).sum().item()
+        assert chi2.sf(gstat, int((want > 0).sum()) - 1) > 1e-4
+    real_rand = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *a, **kw: torch.ones_like(real_rand(*a, **kw)))  # u = 1
+    assert verify.sample_inverse_cdf(probs, g).tolist() == [4, 5]

@@ -14,6 +14,7 @@ import torch
 
 from sglang_ssd.saguaro.proposal import dequantize_proposal, quantize_proposal
 from sglang_ssd.saguaro.saguaro_sampling import saguaro_probs_rows
+from sglang_ssd.saguaro.verify import sample_inverse_cdf
 
 
 def proposal_wire(logits: torch.Tensor, temperatures: torch.Tensor, fs: Optional[torch.Tensor] = None,
@@ -47,7 +48,7 @@ def sample_rows(logits: torch.Tensor, temperatures: Sequence[float] | torch.Tens
         sf = torch.as_tensor(fs, dtype=torch.long).reshape(-1)[sampled.cpu()]
         sc = torch.as_tensor(cs, dtype=torch.float32).reshape(-1)[sampled.cpu()]
     q, q16_rows = proposal_wire(logits[sampled], temps[sampled], sf, sc)
-    tokens[sampled] = torch.multinomial(q, 1, generator=generator).squeeze(-1)
+    tokens[sampled] = sample_inverse_cdf(q, generator)
     q16 = torch.zeros(logits.shape, dtype=torch.float16, device=logits.device)
     q16[sampled] = q16_rows
     return tokens, q16

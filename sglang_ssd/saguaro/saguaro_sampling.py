@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from sglang_ssd.saguaro.proposal import dequantize_proposal, quantize_proposal
+from sglang_ssd.saguaro.verify import sample_inverse_cdf
 
 
 def _check(f: int, c: float) -> None:
@@ -128,7 +129,7 @@ def saguaro_sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, f: int
     if sampled.numel() == 0:
         return tokens, None
     q, q16_rows = saguaro_proposal_wire(logits[sampled], temps[sampled], f, c)
-    tokens[sampled] = torch.multinomial(q, 1, generator=generator).squeeze(-1)
+    tokens[sampled] = sample_inverse_cdf(q, generator)
     q16 = torch.zeros(logits.shape, dtype=torch.float16, device=logits.device)
     q16[sampled] = q16_rows
     return tokens, q16

@@ -73,6 +73,22 @@ def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None) -
     return (probs.float() / e.clamp_min(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
 
 
+def sample_inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row from (possibly unnormalised) probs [N, V] with ONE uniform per row: the first i
+    whose cumulative mass exceeds u * total.  Token i owns the interval [c_{i-1}, c_i) of width p_i (up to
+    float64 rounding of the cumsum), so a zero-probability token is never drawn.  The draft samples its
+    speculations this way: torch.multinomial cost ~13 ms per 16 rows of 49k tokens on a CPU core (most
+    of a tree depth), this ~1 ms."""
+    c = torch.cumsum(probs.double(), dim=-1)
+    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, generator=generator, device=probs.device)
+    idx = torch.searchsorted(c, u * c[:, -1:], right=True).squeeze(-1)
+    over = idx >= probs.shape[-1]  # u * total rounded up to total: take the last token with mass
+    if bool(over.any()):
+        last = probs.shape[-1] - 1 - torch.flip(probs[over] > 0, dims=[-1]).to(torch.int8).argmax(-1)
+        idx[over] = last
+    return idx
+
+
 def _leading_accepts(accepted: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
     """Number of leading True in accepted [B, K], at most cap [B]."""
     n = accepted.to(torch.long).cumprod(dim=-1).sum(dim=-1)

@@ -153,7 +153,8 @@ def plots(agg: dict, out: Path) -> list[str]:
                 series(ax, pts, f"T={t:g} b={b}")
     ax.set(title="SSD cache hit rate vs K", xlabel="K (speculated tokens)", ylabel="hit rate", xticks=ks)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # K sweep (tier 3) measured
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out.parent / f"{out.name}_hit_vs_k.png", dpi=110)
     made.append(f"{out.name}_hit_vs_k.png")

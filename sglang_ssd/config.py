@@ -31,7 +31,7 @@ curve_keys             ``SGLANG_SSD_CONFIG["curve_keys"]``         null; else a 
 spawn_draft            ``SGLANG_SSD_CONFIG["spawn_draft"]``        true: start the draft process
                                                                    bound to draft_endpoint; false:
                                                                    connect to a running one there
-draft_dtype            ``SGLANG_SSD_CONFIG["draft_dtype"]``        "float32"
+draft_dtype            ``SGLANG_SSD_CONFIG["draft_dtype"]``        "auto" (bfloat16 on cuda, float32 on cpu)
 draft_cpu_core         ``SGLANG_SSD_CONFIG["draft_cpu_core"]``     last core (CPU draft)
 target_cpu_core        ``SGLANG_SSD_CONFIG["target_cpu_core"]``    null (no pinning)
 draft_threads          ``SGLANG_SSD_CONFIG["draft_threads"]``      1
@@ -80,7 +80,7 @@ class SaguaroConfig:
     draft_endpoint: Optional[str] = None
     spawn_draft: bool = True
     curve_keys: Optional[str] = None
-    draft_dtype: str = "float32"
+    draft_dtype: str = "auto"
     draft_cpu_core: Optional[int] = None
     target_cpu_core: Optional[int] = None
     draft_threads: int = 1
@@ -132,9 +132,9 @@ class SaguaroConfig:
         if not (self.draft_device == "cpu" or self.draft_device.startswith("cuda")):
             raise SaguaroConfigError(
                 f"{ENV_VAR} key 'draft_device' must be 'cpu' or 'cuda[:N]', got {self.draft_device!r}")
-        if self.draft_dtype not in ("float32", "bfloat16", "float16"):
+        if self.draft_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise SaguaroConfigError(
-                f"{ENV_VAR} key 'draft_dtype' must be float32, bfloat16 or float16, got {self.draft_dtype!r}")
+                f"{ENV_VAR} key 'draft_dtype' must be auto, float32, bfloat16 or float16, got {self.draft_dtype!r}")
         if self.draft_endpoint is not None and not str(self.draft_endpoint).startswith(("ipc://", "tcp://")):
             raise SaguaroConfigError(
                 f"{ENV_VAR} key 'draft_endpoint' must be an ipc:// or tcp:// address, got {self.draft_endpoint!r}")

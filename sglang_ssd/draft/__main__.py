@@ -1,4 +1,4 @@
-"""python -m sglang_ssd.draft --model DIR --bind ENDPOINT [--device cpu|cuda:N] [--dtype ...] ...
+"""python -m sglang_ssd.draft --model DIR --bind ENDPOINT [--device cpu|cuda:N] [--dtype auto|...] ...
 
 Runs the SSD draft process: loads the draft checkpoint with our own runner (no SGLang import),
 optionally pins itself to one CPU core, binds a ROUTER socket and serves until Shutdown/SIGTERM.
@@ -24,7 +24,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bind", default="ipc", help="ipc:///path.sock | tcp://127.0.0.1:PORT | 'ipc' | 'tcp' "
                    "(tcp defaults to 127.0.0.1; default: a fresh ipc:///tmp/sglang-ssd-<uuid>.sock)")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flashinfer"],
+                   help="auto: FlashInfer custom-mask attention on cuda when flashinfer imports, else SDPA")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="FlashInfer path: run every forward eagerly")
     p.add_argument("--cpu-core", type=int, default=None, help="pin this process to one CPU core")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
@@ -65,7 +69,8 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     server = DraftServer.from_model_dir(args.model, bind, args.device, args.dtype, args.seed, args.max_batch,
-                                        curve_keys=args.curve_keys)
+                                        curve_keys=args.curve_keys, attention=args.attention,
+                                        cuda_graphs=not args.no_cuda_graphs)
     signal.signal(signal.SIGTERM, lambda *_: server._stop.set())
     if args.ready_file:
         tmp = args.ready_file + ".tmp"
@@ -73,8 +78,10 @@ def main(argv=None) -> int:
             json.dump({"endpoint": server.endpoint, "pid": os.getpid()}, fh)
         os.replace(tmp, args.ready_file)
     cores = sorted(os.sched_getaffinity(0))
-    logger.info("READY endpoint=%s curve=%s model=%s device=%s dtype=%s cores=%s threads=%d pid=%d load=%.1fs",
-                server.endpoint, server.curve, args.model, args.device, args.dtype, cores, torch.get_num_threads(),
+    runner = server.engine.runner
+    logger.info("READY endpoint=%s curve=%s model=%s device=%s dtype=%s attention=%s cores=%s threads=%d pid=%d "
+                "load=%.1fs", server.endpoint, server.curve, args.model, args.device,
+                str(runner.dtype).replace("torch.", ""), runner.backend, cores, torch.get_num_threads(),
                 os.getpid(), time.perf_counter() - t0)
     server.serve_forever()
     return 0

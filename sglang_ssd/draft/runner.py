@@ -3,6 +3,12 @@
 Every item says which tokens to run, at which RoPE positions, into which KV slots of its request's
 cache they go, which slots they may see (explicit mask) and how many trailing rows need logits.
 Extends (prefill, glue, just-in-time decode) and tree depths are all just items.
+
+Attention backend (``select_backend``, logged at start): on a CUDA device with flashinfer importable
+and a half-precision draft, FlashInfer custom-mask attention over a paged KV pool
+(flashinfer_attention.py, paged_kv.py), with CUDA graphs per (requests, tokens) bucket for the
+small forwards (cuda_graphs.py); otherwise torch SDPA over per-request caches (attention.py).
+Both consume the same per-item masks (tree.py), so the tree layout is identical.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from typing import Sequence
 import torch
 
 from sglang_ssd.draft.attention import AttnSeq, BatchAttention
+from sglang_ssd.draft.flashinfer_attention import select_backend
 from sglang_ssd.draft.kv_cache import RequestKV
 from sglang_ssd.draft.model import CausalLM, load_model
 from sglang_ssd.draft.tree import causal_mask
@@ -21,6 +28,18 @@ from sglang_ssd.draft.tree import causal_mask
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PAGE_SIZE = 16
+POOL_TOKENS = 1 << 16   # initial paged-pool size on GPU (grows by doubling; growth re-captures graphs)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:
+    """'auto' -> bfloat16 on CUDA (half the memory traffic, what FlashInfer needs), float32 on CPU
+    (CPUs without AMX/AVX512-BF16 run bf16 matmuls slower than fp32)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return DTYPES[dtype]
 
 
 @dataclass
@@ -43,24 +62,41 @@ class ForwardItem:
 
 
 class DraftRunner:
-    def __init__(self, model: CausalLM, device: str | torch.device = "cpu"):
+    def __init__(self, model: CausalLM, device: str | torch.device = "cpu", attention: str = "auto",
+                 cuda_graphs: bool = True, page_size: int = PAGE_SIZE, pool_tokens: int = POOL_TOKENS):
         self.model = model
         self.cfg = model.cfg
         self.device = torch.device(device)
         self.dtype = model.model.embed_tokens.weight.dtype
         self.forward_calls = 0
         self.forward_tokens = 0
+        self.backend = select_backend(self.device, attention, self.dtype)
+        self.pool = self.workspace = self.graphs = None
+        if self.backend == "flashinfer":  # GPU only (UNVERIFIED on hardware: see flashinfer_attention.py)
+            from sglang_ssd.draft.cuda_graphs import GraphRunner
+            from sglang_ssd.draft.flashinfer_attention import FlashInferWorkspace, pool_pages_for
+            from sglang_ssd.draft.paged_kv import PagedKVPool
+
+            c = self.cfg
+            self.pool = PagedKVPool(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device,
+                                    page_size, pool_pages_for(pool_tokens, page_size))
+            self.workspace = FlashInferWorkspace(self.device)
+            self.graphs = GraphRunner(model, self.pool, self.device) if cuda_graphs else None
+            logger.info("draft CUDA graphs: %s", "on (captured per bucket on first use)" if cuda_graphs else "off")
 
     @classmethod
-    def from_dir(cls, model_dir: str, device: str = "cpu", dtype: str | torch.dtype = "float32") -> "DraftRunner":
-        dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
-        return cls(load_model(model_dir, device, dt), device)
+    def from_dir(cls, model_dir: str, device: str = "cpu", dtype: str | torch.dtype = "auto",
+                 attention: str = "auto", cuda_graphs: bool = True) -> "DraftRunner":
+        return cls(load_model(model_dir, device, resolve_dtype(dtype, device)), device, attention, cuda_graphs)
 
     @property
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
 
-    def new_kv(self, capacity: int = 64) -> RequestKV:
+    def new_kv(self, capacity: int = 64):
+        """A request's KV: pool pages on the FlashInfer path, else its own RequestKV tensors."""
+        if self.pool is not None:
+            return self.pool.new_request(capacity)
         c = self.cfg
         return RequestKV(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, capacity)
 
@@ -74,8 +110,10 @@ class DraftRunner:
         dev = self.device
         ids = torch.cat([it.tokens for it in items]).to(dev)
         pos = torch.cat([it.positions for it in items]).to(dev)
-        attn = BatchAttention([AttnSeq(it.kv, it.slots, it.kv_len, it.mask) for it in items], dev)
-        hidden = self.model(ids, pos, attn)
+        seqs = [AttnSeq(it.kv, it.slots, it.kv_len, it.mask) for it in items]
+        hidden = self.graphs.run(seqs, ids, pos) if self.graphs is not None else None
+        if hidden is None:  # eager: no graphs, or no bucket fits (prefill chunks)
+            hidden = self.model(ids, pos, self._attention(seqs))
         # only the rows that need logits go through the (large) LM head
         rows, off = [], 0
         for it in items:
@@ -86,3 +124,10 @@ class DraftRunner:
         self.forward_calls += 1
         self.forward_tokens += off
         return list(torch.split(logits, [it.n_logits for it in items]))
+
+    def _attention(self, seqs: Sequence[AttnSeq]):
+        if self.backend == "flashinfer":
+            from sglang_ssd.draft.flashinfer_attention import FlashInferAttention
+
+            return FlashInferAttention(seqs, self.pool, self.workspace, self.cfg.num_heads, self.dtype)
+        return BatchAttention(seqs, self.device)

@@ -31,5 +31,9 @@ def register() -> None:
         )(worker_factory)
     HookRegistry.register(hooks.ALIAS_TARGET, hooks.validate_before_alias, HookType.AROUND)
     HookRegistry.register(hooks.TORCH_NATIVE_EXTEND, hooks.torch_native_chain_verify, HookType.AROUND)
+    import torch
+
+    if torch.cuda.is_available():  # the CUDA-graph runner module is not importable on the CPU recipe
+        HookRegistry.register(hooks.GRAPH_SPEC_INFO, hooks.chain_verify_graph_spec_info, HookType.AROUND)
     _registered = True
     logger.debug("sglang-ssd: registered speculative algorithm %s", ALGO_NAME)

@@ -57,13 +57,22 @@ class SaguaroAlgo(CustomSpecAlgo):
         server_args.speculative_num_draft_tokens = k + 1
         # Overlap scheduling is not implemented yet: the worker reads req.output_ids synchronously.
         server_args.disable_overlap_schedule = True
-        # A TARGET_VERIFY CUDA graph needs an algorithm-specific dummy verify input (later issue).
-        server_args.disable_cuda_graph = True
+        # CPU: no verify graphs (SGLang's CPU graph runner refuses speculative algorithms).  GPU:
+        # TARGET_VERIFY graphs are captured with hooks.chain_verify_graph_spec_info (UNVERIFIED on
+        # hardware: if capture fails, launch with --disable-cuda-graph).
+        if not _cuda_target(server_args):
+            server_args.disable_cuda_graph = True
         # Grammar-constrained decoding is not wired into saguaro's verifier yet: refuse such requests
         # with SGLang's own clear per-request error instead of silently ignoring the grammar.
         server_args.grammar_backend = "none"
         if server_args.max_running_requests is None:
             server_args.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
+
+
+def _cuda_target(server_args) -> bool:
+    import torch
+
+    return getattr(server_args, "device", None) in (None, "cuda") and torch.cuda.is_available()
 
 
 def validate_server_args(server_args) -> None:

@@ -47,6 +47,7 @@ class SaguaroWorker(BaseSpecWorker):
         self.cfg = SaguaroConfig.from_server_args(server_args)
         self.k = self.cfg.num_spec_tokens
         self.n = self.k + 1  # chain width: root + K drafts
+        self.device_is_gpu = torch.device(self.device).type != "cpu"
         if self.cfg.target_cpu_core is not None and str(self.device) == "cpu":
             os.sched_setaffinity(0, {self.cfg.target_cpu_core})
         self.vocab_size = self.model_runner.model_config.vocab_size
@@ -112,7 +113,9 @@ class SaguaroWorker(BaseSpecWorker):
         # the scheduler pre-allocated and registered these n slots per request (alloc_for_spec_decode)
         batch.out_cache_loc = self.req_to_token_pool.req_to_token[batch.req_pool_indices[:, None], cols].reshape(-1).to(torch.int64)
         batch.input_ids = chain.reshape(-1)
-        batch.spec_info = build_chain_verify_input(chain, seq_lens)
+        # GPU backends read the chain's causal mask from spec_info (FULL layout); torch_native does not
+        batch.spec_info = build_chain_verify_input(chain, seq_lens, full_mask=self.device_is_gpu,
+                                                   seq_lens_cpu=getattr(batch, "seq_lens_cpu", None))
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         t_verify = time.perf_counter()
         result = self._target_worker.forward_batch_generation(batch, is_verify=True)
@@ -152,7 +155,8 @@ class SaguaroWorker(BaseSpecWorker):
 
             compute_spec_logprobs(batch, result.logits_output, next_ids, chain_stride=n)
         return GenerationBatchResult(
-            logits_output=result.logits_output, next_token_ids=next_ids, can_run_cuda_graph=False,
+            logits_output=result.logits_output, next_token_ids=next_ids,
+            can_run_cuda_graph=bool(getattr(result, "can_run_cuda_graph", False)),
             accept_lens=accept_lens, new_seq_lens=new_seq_lens,
             next_draft_input=self._carry(out_tokens, accept_lens, new_seq_lens),
             speculative_num_draft_tokens=n,

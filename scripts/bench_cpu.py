@@ -7,7 +7,7 @@ fixed-length generations (128 tokens, EOS ignored) on the benchmark prompts (scr
 per kind: chat, code, factual, math). Sweeps, in priority order (tiers), each cell repeated --repeats times:
   1. headline: b = 1, K = 3, AR / SD / SSD, T = 0 and 1;
   2. batch:    b = 2, 4, 8, K = 3, AR / SD / SSD, T = 0 and 1;
-  3. K:        K = 4, 5 for SD / SSD at b = 1, T = 0 and 1.
+  3. K:        K = 4, 5 for SD / SSD at b = 1, T = 0 and 1 (2 prompts per repeat, a recorded subset).
 Batch size b = b concurrent requests; each repeat sends 4 requests at b = 1 (one per kind) and one wave of
 b requests at b > 1, taking the next prompts of the kind-interleaved set, so repeats see different prompts
 and every mode sees the same prompts at the same (T, b, repeat). One server per (mode, K); repeats interleave with the T and b
@@ -77,9 +77,12 @@ def ordered_prompts(items: list[dict]) -> list[dict]:
 
 def cell_prompts(order: list, c: dict) -> list:
     """The cell's prompts for this (T, b, repeat), fixed and recorded: 4 at b = 1 (one per kind), else b (one
-    wave of b concurrent requests); successive repeats take the next prompts of the kind-interleaved set."""
-    n = 4 if c["batch"] == 1 else c["batch"]
-    start = (c["rep"] * n + (8 if c["temperature"] else 0) + 16 * [1, 2, 4, 8].index(c["batch"])) % len(order)
+    wave of b concurrent requests); successive repeats take the next prompts of the kind-interleaved set.
+    Tier 3 (K = 4, 5) uses a recorded subset to fit the two-hour budget: 2 prompts per repeat (alternately the
+    first and second half of the K = 3 cell's prompts at the same T and repeat, so repeats span the kinds)."""
+    n = (2 if c["tier"] == 3 else 4) if c["batch"] == 1 else c["batch"]
+    first = c["rep"] * 4 + 2 * (c["rep"] % 2) if c["tier"] == 3 else c["rep"] * n
+    start = (first + (8 if c["temperature"] else 0) + 16 * [1, 2, 4, 8].index(c["batch"])) % len(order)
     return [order[(start + i) % len(order)] for i in range(n)]
 
 

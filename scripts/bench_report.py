@@ -172,7 +172,7 @@ def write_report(state: dict, out: Path = OUT) -> None:
          f"{fp['tokens']} output tokens per request (EOS ignored); batch size b = concurrent requests. "
          f"Prompts scripts/prompts_bench.json (sha256 {fp['prompts_sha256']}); target {fp['target_sha256']}, "
          f"draft {fp['draft_sha256']}. Each cell: median [min-max] over {state.get('repeats')} repeats, each "
-         f"4 requests at b = 1, b at b > 1 (scripts/bench_cpu.py, {len(state['cells'])} cell runs).", "",
+         f"4 requests at b = 1 (2 for K = 4, 5: alternating halves of the K = 3 cell's, a recorded subset), b at b > 1 (scripts/bench_cpu.py, {len(state['cells'])} cell runs).", "",
          "## Headline: b = 1, K = 3", ""] + headline(agg) + [""]
     try:
         made = plots(agg, out)

@@ -31,3 +31,26 @@ def test_disjoint_from_distillation_prompts():
     for p in BENCH:
         text = p["text"].strip()
         assert not any(text in t or t in text for t in train), p["text"]
+
+
+def test_bench_cells_use_recorded_prompt_subsets():
+    """Every mode sees the same prompts per (T, b, repeat); b = 1 headline cells span the four kinds, and the
+    K sweep's 2-prompt subset is half of the K = 3 cell at the same T and repeat (alternating halves)."""
+    from bench_cpu import cell_prompts, ordered_prompts, plan
+
+    order = ordered_prompts(BENCH)
+    cells = plan({1, 2, 3}, 3)
+    head = {(c["temperature"], c["rep"]): cell_prompts(order, c) for c in cells if c["tier"] == 1}
+    for c in cells:
+        got = cell_prompts(order, c)
+        if c["tier"] == 1:
+            assert sorted(p["kind"] for p in got) == ["chat", "code", "factual", "math"]
+        elif c["tier"] == 3:
+            half = 2 * (c["rep"] % 2)
+            assert got == head[(c["temperature"], c["rep"])][half:half + 2]
+        else:
+            assert len(got) == c["batch"] and len({p["text"] for p in got}) == c["batch"]
+    for k in (4, 5):  # the K sweep's repeats together cover all four kinds
+        kinds = {p["kind"] for c in cells if c["tier"] == 3 and c["k"] == k and c["temperature"] == 0.0
+                 for p in cell_prompts(order, c)}
+        assert kinds == {"chat", "code", "factual", "math"}

@@ -89,6 +89,30 @@ class MemoryWatch(threading.Thread):
         return self.samples
 
 
+def to_md(res: dict) -> str:
+    n, w_ = res["requests_per_wave"] // 2, res["worker_stats"]
+    L = ["# Load test of the saguaro server (issue 7)", "",
+         f"SGLang serving benchmark (sglang.benchmark.serving), CPU, SSD K = 3 fan-out 4; per wave "
+         f"{2 * n} requests: {n} at T = 0 and {n} at T = 1.0 / top_p 0.95 from "
+         f"two concurrent clients, total concurrency {res['concurrency']}, output lengths 8-64 tokens "
+         f"(scripts/load_test.py). Draft RSS idle {res['draft_rss_idle_mb']:.0f} MB.", "",
+         "| wave | completed | errors | T=0 mismatches vs plain SGLang | output tok/s | draft RSS peak / after MB | "
+         "live requests / KV bytes / cache entries after |", "|---|---|---|---|---|---|---|"]
+    L += [f"| {w['wave']} | {w['completed']} | {w['errors']} | {w['t0_mismatches']} | {w['output_tok_s']} | "
+          f"{w['draft_rss_peak_mb']} / {w['draft_rss_after_mb']} | {w['live_requests_after']} / "
+          f"{w['kv_bytes_after']} / {w['cache_entries_after']} |" for w in res["waves_detail"]]
+    L += ["", f"Draft RSS growth from the first to the last wave: {res['draft_rss_growth_after_first_wave_mb']} MB "
+          f"(bound {LEAK_MB} MB).", "", f"Passed: {res['passed']} (zero errors, zero T = 0 mismatches, no live "
+          f"requests, KV or cache entries left in the draft after each wave, bounded RSS)"]
+    ref = res["reference"]
+    L += ["", f"Reference (plain SGLang, the T = 0 requests): {ref['completed']} completed, "
+          f"{ref['output_throughput']:.2f} output tok/s. Worker counters at the end (last stats snapshot): "
+          f"{w_.get('rows')} rows in {w_.get('rounds')} rounds, hit rate {w_.get('hit_rate', 0):.3f}, accept length "
+          f"{w_.get('accept_len', 0):.3f}, errors {w_.get('errors')}, deadline misses {w_.get('deadline_misses')}, "
+          f"fallback rows {w_.get('fallback_rows')}, reconnects {w_.get('reconnects')}."]
+    return "\n".join(L) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=100, help="per client per wave (two clients: T = 0 and T = 1)")
@@ -162,21 +186,9 @@ def main(argv=None) -> int:
     res["passed"] = ok
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
-    L = ["# Load test of the saguaro server (issue 7)", "",
-         f"SGLang serving benchmark (sglang.benchmark.serving), CPU, SSD K = 3 fan-out 4; per wave "
-         f"{2 * args.requests} requests: {args.requests} at T = 0 and {args.requests} at T = 1.0 / top_p 0.95 from "
-         f"two concurrent clients, total concurrency {args.concurrency}, output lengths 8-64 tokens "
-         f"(scripts/load_test.py). Draft RSS idle {res['draft_rss_idle_mb']:.0f} MB.", "",
-         "| wave | completed | errors | T=0 mismatches vs plain SGLang | output tok/s | draft RSS peak / after MB | "
-         "live requests / KV bytes / cache entries after |", "|---|---|---|---|---|---|---|"]
-    L += [f"| {w['wave']} | {w['completed']} | {w['errors']} | {w['t0_mismatches']} | {w['output_tok_s']} | "
-          f"{w['draft_rss_peak_mb']} / {w['draft_rss_after_mb']} | {w['live_requests_after']} / "
-          f"{w['kv_bytes_after']} / {w['cache_entries_after']} |" for w in res["waves_detail"]]
-    L += ["", f"Draft RSS growth from the first to the last wave: {res['draft_rss_growth_after_first_wave_mb']} MB "
-          f"(bound {LEAK_MB} MB).", "", f"Passed: {ok} (zero errors, zero T = 0 mismatches, no live requests, KV or "
-          f"cache entries left in the draft after each wave, bounded RSS)"]
-    args.out.with_suffix(".md").write_text("\n".join(L) + "\n")
-    print("\n".join(L))
+    md = to_md(res)
+    args.out.with_suffix(".md").write_text(md)
+    print(md)
     return 0 if ok else 1
 
 

@@ -6,8 +6,11 @@
 2. ``torch_native_chain_verify``: the ``torch_native`` attention backend (the only CPU backend
    usable with PyPI packages) has no TARGET_VERIFY path.  A chain verify is exactly a causal
    extend of n = K+1 tokens over the committed prefix, whose KV slots the scheduler has already
-   registered in ``req_to_token``; so in TARGET_VERIFY mode we hand the extend path the three
-   fields it reads and restore them afterwards (shared/notes/cpu-chain-verify.md).  GPU backends
+   registered in ``req_to_token``.  In TARGET_VERIFY mode we write the chain's KV and compute
+   attention for exactly the n chain queries per request (``sglang_ssd/cpu/chain_attention.py``,
+   linear in context).  torch_native's own extend path would attend from every position of the
+   request (quadratic); it remains the route for sliding-window / cross attention, reached by
+   handing it the three fields it reads (shared/notes/cpu-chain-verify.md).  GPU backends
    implement TARGET_VERIFY themselves and never reach this hook.
 3. ``chain_verify_graph_spec_info`` (GPU only, registered only when CUDA is available): SGLang's
    decode CUDA-graph runner captures TARGET_VERIFY graphs with a dummy verify input from
@@ -52,17 +55,61 @@ def torch_native_chain_verify(orig, self, q, k, v, layer, forward_batch, save_kv
             "torch_native TARGET_VERIFY supports chains only (tree_topk == 1); "
             "tree verification needs a GPU attention backend")
     n = spec.draft_token_num
+    if _plain_self_attention(self, layer, forward_batch):
+        return _linear_chain_verify(self, q, k, v, layer, forward_batch, n, save_kv_cache)
     committed = forward_batch.seq_lens
     saved = (forward_batch.seq_lens, forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens)
     try:
         # the chain's n tokens sit at positions committed..committed+n-1 and attend causally to
         # the prefix and to each other: exactly an extend with prefix = committed, extend = n.
+        # (quadratic in context: torch_native's extend attends from every position of the request)
         forward_batch.seq_lens = committed + n
         forward_batch.extend_prefix_lens = committed
         forward_batch.extend_seq_lens = torch.full_like(committed, n)
         return orig(self, q, k, v, layer, forward_batch, save_kv_cache)
     finally:
         forward_batch.seq_lens, forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens = saved
+
+
+def _plain_self_attention(backend, layer, forward_batch) -> bool:
+    """Decoder self-attention over one full KV pool: what the linear chain path computes.  Sliding
+    windows, SWA pools, cross / encoder attention keep the (exact, quadratic) extend route."""
+    window = getattr(layer, "sliding_window_size", None)
+    return (not layer.is_cross_attention and getattr(forward_batch, "encoder_lens", None) is None
+            and (window is None or window <= -1) and not backend.use_sliding_window_kv_pool
+            and getattr(layer, "attn_type", None) != _encoder_only())
+
+
+def _encoder_only():
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    return AttentionType.ENCODER_ONLY
+
+
+def _linear_chain_verify(backend, q, k, v, layer, forward_batch, n, save_kv_cache):
+    """TARGET_VERIFY at linear cost: write the chain's KV (as the extend path does), then attend
+    only the n chain queries per request (sglang_ssd/cpu/chain_attention.py)."""
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    from sglang_ssd.cpu.chain_attention import chain_verify_attention
+
+    if save_kv_cache and k is not None and v is not None:
+        backend.token_to_kv_pool.set_kv_buffer(
+            layer, KVWriteLoc(forward_batch.out_cache_loc, backend.swa_out_cache_loc), k, v)
+    cached = getattr(forward_batch, "_saguaro_prefix_lens", None)
+    if cached is not None and cached[0] is forward_batch.seq_lens:
+        prefix = cached[1]
+    else:  # once per forward, not per layer: committed lengths (seq_lens) as host ints
+        prefix = forward_batch.seq_lens.tolist()
+        forward_batch._saguaro_prefix_lens = (forward_batch.seq_lens, prefix)
+    o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+    chain_verify_attention(
+        q.view(-1, layer.tp_q_head_num, layer.qk_head_dim), o.view(-1, layer.tp_q_head_num, layer.v_head_dim),
+        backend.token_to_kv_pool.get_key_buffer(layer.layer_id),
+        backend.token_to_kv_pool.get_value_buffer(layer.layer_id),
+        backend.req_to_token_pool.req_to_token, forward_batch.req_pool_indices, prefix, n,
+        scaling=layer.scaling, enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num)
+    return o
 
 
 def chain_verify_graph_spec_info(orig, self, num_tokens):

@@ -23,8 +23,12 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+# "extend" forces the old quadratic route (torch_native's extend path) for before/after benchmarks
+CHAIN_VERIFY_ENV = "SGLANG_SSD_CHAIN_VERIFY"
 ALIAS_TARGET = "sglang.srt.arg_groups.speculative_hook._resolve_speculative_algorithm_alias"
 TORCH_NATIVE_EXTEND = (
     "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend"
@@ -55,7 +59,7 @@ def torch_native_chain_verify(orig, self, q, k, v, layer, forward_batch, save_kv
             "torch_native TARGET_VERIFY supports chains only (tree_topk == 1); "
             "tree verification needs a GPU attention backend")
     n = spec.draft_token_num
-    if _plain_self_attention(self, layer, forward_batch):
+    if os.environ.get(CHAIN_VERIFY_ENV) != "extend" and _plain_self_attention(self, layer, forward_batch):
         return _linear_chain_verify(self, q, k, v, layer, forward_batch, n, save_kv_cache)
     committed = forward_batch.seq_lens
     saved = (forward_batch.seq_lens, forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens)

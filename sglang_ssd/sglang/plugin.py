@@ -33,6 +33,10 @@ def register() -> None:
     HookRegistry.register(hooks.TORCH_NATIVE_EXTEND, hooks.torch_native_chain_verify, HookType.AROUND)
     import torch
 
+    from sglang_ssd.sglang import forward_timing
+
+    if forward_timing.enabled():  # benchmarks only (scripts/bench_verify.py)
+        HookRegistry.register(forward_timing.MODEL_RUNNER_FORWARD, forward_timing.timed_forward, HookType.AROUND)
     if torch.cuda.is_available():  # the CUDA-graph runner module is not importable on the CPU recipe
         HookRegistry.register(hooks.GRAPH_SPEC_INFO, hooks.chain_verify_graph_spec_info, HookType.AROUND)
     _registered = True

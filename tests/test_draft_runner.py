@@ -119,3 +119,31 @@ def test_sample_rows_greedy_and_sampled_rows():
     tok, _ = sample_rows(z3, [1.0] * 4000, torch.Generator().manual_seed(1))
     freq = torch.bincount(tok, minlength=3).float() / 4000
     torch.testing.assert_close(freq, torch.tensor([0.6, 0.3, 0.1]), atol=0.03, rtol=0)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_sample_rows_on_a_reduced_head_support(mixed):
+    """A reduced head (q = 0 off its subset): sampling over the subset only gives the same q (up to
+    float rounding of the softmax sum), zero q16 off the subset, tokens only from the subset, the
+    law of q (chi-square-style bound on 6000 draws), and the same greedy rows."""
+    g = torch.Generator().manual_seed(5)
+    v = 300
+    support = torch.randperm(v, generator=g)[:40].sort().values
+    z = torch.full((6000, v), float("-inf"))
+    base = torch.randn(40, generator=g) * 2
+    z[:, support] = base
+    temps = torch.full((6000,), 1.0)
+    if mixed:
+        temps[::7] = 0.0
+    tok, q16 = sample_rows(z, temps, torch.Generator().manual_seed(3), support=support)
+    ref_tok, ref_q16 = sample_rows(z[:50], temps[:50], torch.Generator().manual_seed(3))
+    off = torch.ones(v, dtype=torch.bool)
+    off[support] = False
+    assert not q16[:, off].any() and torch.isin(tok, support).all()
+    torch.testing.assert_close(dequantize_proposal(q16[:50]), dequantize_proposal(ref_q16), atol=1e-3, rtol=0)
+    greedy = temps == 0
+    assert torch.equal(tok[greedy], z[greedy].argmax(-1))
+    p = dequantize_proposal(q16[~greedy][0])
+    freq = torch.bincount(tok[~greedy], minlength=v).float() / int((~greedy).sum())
+    assert (freq - p).abs().max() < 0.03
+    assert torch.equal(dequantize_proposal(q16[~greedy][0]), dequantize_proposal(q16[~greedy][1]))

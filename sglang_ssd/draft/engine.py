@@ -271,7 +271,7 @@ class DraftEngine:
             logits = torch.cat(self.runner.forward(items))
             for st, it in zip(states, items):
                 st.end_write(it.tokens.tolist())
-            tok, q = sample_rows(logits, temps, self.gen, [fan_miss[t]] * m, cs)
+            tok, q = sample_rows(logits, temps, self.gen, [fan_miss[t]] * m, cs, self.runner.support)
             toks[:, t] = tok.cpu()
             if raw is not None:
                 raw[:, t] = logits
@@ -366,7 +366,8 @@ class DraftEngine:
                 items.append(ForwardItem(st.kv, x, tree_positions(p, forks, d), tree_slots(p, k_spec, b, d),
                                          tree_kv_len(p, k_spec, b, d), tree_mask(p, k_spec, forks, d), b))
             logits = torch.cat(self.runner.forward(items))
-            tok, q = sample_rows(logits, temps, self.gen, torch.full((len(temps),), fan[d]), cs)
+            tok, q = sample_rows(logits, temps, self.gen, torch.full((len(temps),), fan[d]), cs,
+                                 self.runner.support)
             inputs = list(torch.split(tok.cpu(), sizes))
             qs = torch.split(q, sizes) if q is not None else [None] * len(plans)
             for r in range(len(plans)):

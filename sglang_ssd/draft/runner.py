@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -92,6 +92,16 @@ class DraftRunner:
     @property
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
+
+    @property
+    def support(self) -> Optional[torch.Tensor]:
+        """Token ids a reduced head covers (sorted; q is exactly 0 elsewhere), None for a full head."""
+        ids = getattr(self.model, "head_ids", None)
+        if ids is None:
+            return None
+        if getattr(self, "_support", None) is None or self._support.numel() != ids.numel():
+            self._support = ids.sort().values.to(self.device)
+        return self._support
 
     def new_kv(self, capacity: int = 64):
         """A request's KV: pool pages on the FlashInfer path, else its own RequestKV tensors."""

@@ -33,22 +33,37 @@ def proposal_wire(logits: torch.Tensor, temperatures: torch.Tensor, fs: Optional
 
 def sample_rows(logits: torch.Tensor, temperatures: Sequence[float] | torch.Tensor,
                 generator: Optional[torch.Generator] = None, fs: Optional[Sequence[int] | torch.Tensor] = None,
-                cs: Optional[Sequence[float] | torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                cs: Optional[Sequence[float] | torch.Tensor] = None,
+                support: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """logits [n, V] float32 -> (tokens [n] long, q16 [n, V] float16 or None if every row is greedy).
 
     Rows with temperature <= 0 take the argmax of the raw logits and keep a zero q16 row (Saguaro
-    sampling has no effect at temperature 0).  fs/cs (per row): Saguaro sampling sigma_{F,C}."""
+    sampling has no effect at temperature 0).  fs/cs (per row): Saguaro sampling sigma_{F,C}.
+    support: the vocabulary ids a reduced draft head covers (logits are -inf, so q exactly 0,
+    everywhere else): softmax, Saguaro sampling, quantisation and the draw then run over those ids
+    only -- the same law, since zero-mass tokens have empty inverse-CDF intervals either way -- and
+    q16 is scattered back to the full vocabulary."""
     temps = torch.as_tensor(temperatures, dtype=torch.float32, device=logits.device).reshape(-1)
-    tokens = logits.argmax(dim=-1)
     sampled = (temps > 0).nonzero().squeeze(-1)
     if sampled.numel() == 0:
-        return tokens, None
+        return logits.argmax(dim=-1), None
+    every = sampled.numel() == logits.shape[0]
+    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device) if every else logits.argmax(dim=-1)
     sf = sc = None
     if fs is not None and cs is not None:
         sf = torch.as_tensor(fs, dtype=torch.long).reshape(-1)[sampled.cpu()]
         sc = torch.as_tensor(cs, dtype=torch.float32).reshape(-1)[sampled.cpu()]
-    q, q16_rows = proposal_wire(logits[sampled], temps[sampled], sf, sc)
-    tokens[sampled] = sample_inverse_cdf(q, generator)
+    z = logits if every else logits[sampled]
     q16 = torch.zeros(logits.shape, dtype=torch.float16, device=logits.device)
-    q16[sampled] = q16_rows
+    if support is None:
+        q, q16_rows = proposal_wire(z, temps[sampled], sf, sc)
+        tokens[sampled] = sample_inverse_cdf(q, generator)
+        q16[sampled] = q16_rows
+        return tokens, q16
+    q, q16_rows = proposal_wire(z.index_select(1, support), temps[sampled], sf, sc)
+    tokens[sampled] = support[sample_inverse_cdf(q, generator)]
+    if every:
+        q16.index_copy_(1, support, q16_rows)
+    else:
+        q16[sampled.unsqueeze(1), support.unsqueeze(0)] = q16_rows
     return tokens, q16

@@ -7,7 +7,9 @@ fixed-length generations (128 tokens, EOS ignored) on the benchmark prompts (scr
 per kind: chat, code, factual, math). Sweeps, in priority order (tiers), each cell repeated --repeats times:
   1. headline: b = 1, K = 3, AR / SD / SSD, T = 0 and 1;
   2. batch:    b = 2, 4, 8, K = 3, AR / SD / SSD, T = 0 and 1;
-  3. K:        K = 4, 5 for SD / SSD at b = 1, T = 0 and 1 (2 prompts per repeat, a recorded subset).
+  3. K:        K = 4, 5 for SD / SSD at b = 1, T = 0 and 1 (2 prompts per repeat, a recorded subset);
+  4. context:  prompts of about 100, 1k and 3k tokens (a benchmark prompt after a real-text document:
+               this project's README and sources), b = 1, K = 3, AR / SD / SSD, T = 0 and 1, 2 prompts per repeat.
 Batch size b = b concurrent requests; each repeat sends 4 requests at b = 1 (one per kind) and one wave of
 b requests at b > 1, taking the next prompts of the kind-interleaved set, so repeats see different prompts
 and every mode sees the same prompts at the same (T, b, repeat). One server per (mode, K); repeats interleave with the T and b
@@ -46,6 +48,7 @@ PROMPTS = HERE / "prompts_bench.json"
 OUT = HERE.parent / "results" / "cpu_bench"
 KINDS = ("chat", "code", "factual", "math")
 TEMPS = (0.0, 1.0)
+CONTEXTS = (100, 1000, 3000)  # tier 4 prompt lengths (tokens)
 FAN_OUT = 4  # per depth (budget 4 K), as the demo and results/draft_quality.md
 LINK_KEYS = ("rounds", "rows", "hits", "fallback_rows", "waited_rounds", "wait_s", "verify_s", "accept_s",
              "round_s", "gap_s", "answer_s", "backup_s", "errors")
@@ -61,12 +64,31 @@ def plan(tiers: set[int], repeats: int) -> list[dict]:
         groups += [(2, m, 0 if m == "ar" else 3, (2, 4, 8)) for m in ("ar", "sd", "ssd")]
     if 3 in tiers:
         groups += [(3, m, k, (1,)) for k in (4, 5) for m in ("sd", "ssd")]
-    return [{"tier": tier, "mode": m, "k": k, "temperature": t, "batch": b, "rep": r}
-            for tier, m, k, batches in groups for r in range(repeats) for t in TEMPS for b in batches]
+    cells = [{"tier": tier, "mode": m, "k": k, "temperature": t, "batch": b, "rep": r}
+             for tier, m, k, batches in groups for r in range(repeats) for t in TEMPS for b in batches]
+    if 4 in tiers:
+        cells += [{"tier": 4, "mode": m, "k": 0 if m == "ar" else 3, "temperature": t, "batch": 1, "rep": r,
+                   "context": ctx} for m in ("ar", "sd", "ssd") for r in range(repeats) for t in TEMPS
+                  for ctx in CONTEXTS]
+    return cells
 
 
 def cell_key(c: dict) -> str:
-    return f"{c['mode']}/k{c['k']}/T{c['temperature']}/b{c['batch']}/r{c['rep']}"
+    ctx = f"/ctx{c['context']}" if c.get("context") else ""
+    return f"{c['mode']}/k{c['k']}/T{c['temperature']}/b{c['batch']}{ctx}/r{c['rep']}"
+
+
+def context_prompt(tok, item: dict, context: int) -> list[int]:
+    """A benchmark prompt after a real-text document, about `context` tokens in all (tier 4); the
+    plain prompt when `context` is short.  The document is this project's README and sources."""
+    ids = encode_prompt(tok, item)
+    if context <= len(ids) + 16:
+        return ids
+    root = HERE.parent
+    text = "\n\n".join(p.read_text() for p in [root / "README.md", *sorted((root / "sglang_ssd").rglob("*.py"))])
+    doc = tok(text, add_special_tokens=False)["input_ids"]
+    start = (17 * len(item["text"])) % max(1, len(doc) - context)
+    return doc[start : start + context - len(ids)] + tok("\n\n", add_special_tokens=False)["input_ids"] + ids
 
 
 def ordered_prompts(items: list[dict]) -> list[dict]:
@@ -80,8 +102,8 @@ def cell_prompts(order: list, c: dict) -> list:
     wave of b concurrent requests); successive repeats take the next prompts of the kind-interleaved set.
     Tier 3 (K = 4, 5) uses a recorded subset to fit the two-hour budget: 2 prompts per repeat (alternately the
     first and second half of the K = 3 cell's prompts at the same T and repeat, so repeats span the kinds)."""
-    n = (2 if c["tier"] == 3 else 4) if c["batch"] == 1 else c["batch"]
-    first = c["rep"] * 4 + 2 * (c["rep"] % 2) if c["tier"] == 3 else c["rep"] * n
+    n = (2 if c["tier"] in (3, 4) else 4) if c["batch"] == 1 else c["batch"]
+    first = c["rep"] * 4 + 2 * (c["rep"] % 2) if c["tier"] in (3, 4) else c["rep"] * n
     start = (first + (8 if c["temperature"] else 0) + 16 * [1, 2, 4, 8].index(c["batch"])) % len(order)
     return [order[(start + i) % len(order)] for i in range(n)]
 
@@ -232,7 +254,8 @@ def main(argv=None) -> int:
             srv.generate(input_ids=encode_prompt(tok, order[0]), sampling_params={"max_new_tokens": 8})  # warm-up
             for c in group:
                 items = cell_prompts(order, c)
-                r = run_cell(srv, c, [encode_prompt(tok, p) for p in items], args.tokens)
+                r = run_cell(srv, c, [context_prompt(tok, p, c["context"]) if c.get("context")
+                                      else encode_prompt(tok, p) for p in items], args.tokens)
                 state["cells"][cell_key(c)] = {**c, "prompts": [order.index(p) for p in items], **r}
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.with_suffix(".json").write_text(json.dumps(state, indent=1) + "\n")

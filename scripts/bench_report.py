@@ -20,11 +20,15 @@ METRICS = ("tok_s", "tpot_ms", "accept_len", "hit_rate", "waited_frac", "backup_
            "accept_ms", "worker_other_ms", "sched_gap_ms", "build_ms", "draft_answer_ms", "draft_backup_ms")
 
 
-def aggregate(state: dict) -> dict[tuple, dict]:
-    """(mode, k, T, b) -> {metric: (median, min, max)}, plus 'runs' (per-repeat dicts by rep)."""
+def aggregate(state: dict, context: bool = False) -> dict[tuple, dict]:
+    """(mode, k, T, b) -> {metric: (median, min, max)}, plus 'runs' (per-repeat dicts by rep); with
+    context=True the context-length cells (tier 4) instead, keyed (mode, k, T, context)."""
     groups: dict[tuple, list] = {}
     for c in state["cells"].values():
-        groups.setdefault((c["mode"], c["k"], c["temperature"], c["batch"]), []).append(c)
+        if bool(c.get("context")) != context:
+            continue
+        last = c["context"] if context else c["batch"]
+        groups.setdefault((c["mode"], c["k"], c["temperature"], last), []).append(c)
     agg = {}
     for key, runs in groups.items():
         a = {"n": len(runs), "runs": {r["rep"]: r for r in runs}}
@@ -82,8 +86,9 @@ def full_table(agg: dict) -> list[str]:
 def time_split(agg: dict) -> list[str]:
     """Where a decode round's time goes (ms per round, medians) and what that costs per output token."""
     L = ["| mode | K | T | b | draft wait | (draft answering / backup) | target verify | acceptance | worker rest | "
-         "scheduler | round total | tokens/round/request | ms/token (b=1) | draft cache build |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         "scheduler | round total | tokens/round/request | ms/token (b=1) | draft cache build | "
+         "verify vs SD (interference) |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (mode, k, t, b), a in sorted(agg.items(), key=lambda x: (x[0][3], x[0][2], x[0][1], x[0][0])):
         if mode == "ar" or "verify_ms" not in a or b not in (1, 4):
             continue
@@ -92,12 +97,36 @@ def time_split(agg: dict) -> list[str]:
         per_tok = f"{total / a['accept_len'][0]:.1f}" if b == 1 else "-"
         ans = (f"{a['draft_answer_ms'][0]:.1f} / {a['draft_backup_ms'][0]:.1f}" if "draft_answer_ms" in a else "-")
         cells = [f"{parts[0]:.1f}", ans] + [f"{x:.1f}" for x in parts[1:]]
+        sd = agg.get(("sd", k, t, b), {})
+        # the target's verify forward while the draft builds (SSD) over the same forward with the
+        # draft idle (SD waits for the draft before verifying): > 1 = the draft slows the target's core
+        inter = f"{a['verify_ms'][0] / sd['verify_ms'][0]:.2f}" if mode == "ssd" and "verify_ms" in sd else "-"
         L.append(f"| {NAMES[mode]} | {k} | {t:g} | {b} | " + " | ".join(cells) +
-                 f" | {total:.1f} | {a['accept_len'][0]:.2f} | {per_tok} | {a['build_ms'][0]:.1f} |")
+                 f" | {total:.1f} | {a['accept_len'][0]:.2f} | {per_tok} | {a['build_ms'][0]:.1f} | {inter} |")
     for t in (0.0, 1.0):
         if _key("ar", 0, t, 1) in agg:
             L.append(f"| AR | - | {t:g} | 1 | - | - | - | - | - | - | - | 1 | "
-                     f"{1000 / agg[_key('ar', 0, t, 1)]['tok_s'][0]:.1f} | - |")
+                     f"{1000 / agg[_key('ar', 0, t, 1)]['tok_s'][0]:.1f} | - | - |")
+    return L
+
+
+def context_table(agg_ctx: dict, k: int = 3) -> list[str]:
+    """Tier 4: b = 1 by prompt length; SSD/AR at the longest vs the shortest prompt (target >= 0.9)."""
+    ctxs = sorted({key[3] for key in agg_ctx})
+    if not ctxs:
+        return []
+    L = ["| T | prompt tokens | AR tok/s | SD tok/s | SSD tok/s | SSD/AR | SSD/SD | SSD verify ms | SSD accept len |",
+         "|---|---|---|---|---|---|---|---|---|"]
+    for t in (0.0, 1.0):
+        for ctx in ctxs:
+            ar, sd, ssd = ((m, 0 if m == "ar" else k, t, ctx) for m in MODES)
+            g = lambda key, m: _fmt(agg_ctx[key].get(m)) if key in agg_ctx else "-"  # noqa: E731
+            L.append(f"| {t:g} | {ctx} | {g(ar, 'tok_s')} | {g(sd, 'tok_s')} | {g(ssd, 'tok_s')} | "
+                     f"{_fmt(ratio(agg_ctx, ssd, ar))} | {_fmt(ratio(agg_ctx, ssd, sd))} | {g(ssd, 'verify_ms')} | "
+                     f"{g(ssd, 'accept_len')} |")
+        lo, hi = (ratio(agg_ctx, ("ssd", k, t, c), ("ar", 0, t, c)) for c in (ctxs[0], ctxs[-1]))
+        if lo and hi:
+            L.append(f"| {t:g} | {ctxs[-1]} vs {ctxs[0]} | | | | {hi[0] / lo[0]:.2f} (target >= 0.9) | | | |")
     return L
 
 
@@ -189,6 +218,9 @@ def write_report(state: dict, out: Path = OUT) -> None:
         "worker rest: bookkeeping in our worker; scheduler: SGLang's scheduler between two decode rounds "
         "(batch bookkeeping, output processing); draft cache build: the draft's per-round work in SSD "
         "(off the critical path when it fits inside the verify)."]
+    ctx = context_table(aggregate(state, context=True))
+    if ctx:
+        L += ["", "## Context length (tier 4): b = 1, K = 3, a benchmark prompt after a real-text document", ""] + ctx
     out.with_suffix(".md").write_text("\n".join(L) + "\n")
 
 

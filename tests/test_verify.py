@@ -413,3 +413,26 @@ def test_sample_inverse_cdf_law_zeros_and_rounding_edge(monkeypatch):
     real_rand = torch.rand
     monkeypatch.setattr(torch, "rand", lambda *a, **kw: torch.ones_like(real_rand(*a, **kw)))  # u = 1
     assert verify.sample_inverse_cdf(probs, g).tolist() == [4, 5]
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), b=st.integers(1, 9), k=st.integers(1, 6), v=st.integers(2, 7),
+       capped=st.booleans(), padded=st.booleans())
+def test_greedy_fast_path_equals_verify_chain(seed, b, k, v, capped, padded):
+    """verify_chain_greedy (the worker's all-greedy rounds) == verify_chain with every row greedy,
+    including ties in the logits (argmax given), max_accept caps and -1 padding of short drafts."""
+    from sglang_ssd.saguaro.verify import verify_chain_greedy
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, 3, (b, k + 1, v), generator=g).float()  # small ints: many ties
+    argmax = logits.argmax(-1)
+    drafts = torch.where(torch.rand(b, k, generator=g) < 0.6, argmax[:, :k], torch.randint(0, v, (b, k), generator=g))
+    if padded:
+        cut = torch.randint(0, k + 1, (b,), generator=g)
+        drafts = torch.where(torch.arange(k)[None] >= cut[:, None], torch.full_like(drafts, -1), drafts)
+    cap = torch.randint(0, k + 1, (b,), generator=g) if capped else None
+    p = torch.softmax(logits, -1)
+    want = verify_chain(p, drafts, None, torch.ones(b, dtype=torch.bool), target_argmax=argmax,
+                        generator=torch.Generator().manual_seed(0), max_accept=cap)
+    got = verify_chain_greedy(drafts, argmax, v, max_accept=cap)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

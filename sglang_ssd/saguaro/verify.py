@@ -213,3 +213,28 @@ def verify_chain(
     out = torch.where(col < n_acc.view(-1, 1), out, torch.full_like(out, PAD_TOKEN))
     out = out.scatter(1, n_acc.view(-1, 1), bonus.view(-1, 1))
     return (n_acc + 1).to(torch.int32), out
+
+
+def verify_chain_greedy(
+    draft_tokens: torch.Tensor,
+    target_argmax: torch.Tensor,
+    vocab: int,
+    max_accept: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``verify_chain`` for a batch whose rows are ALL greedy, from the target's argmax alone.
+
+    Same result as ``verify_chain(..., greedy=all True)`` (accept while d_j == argmax_j, bonus =
+    argmax at the first mismatch or the cap), without the [B, K+1, V] target distributions,
+    the residuals or any random draw: the worker's all-greedy rounds skip ``target_probs``.
+    """
+    b, k = draft_tokens.shape
+    drafts = draft_tokens.to(device=target_argmax.device, dtype=torch.long)
+    target_argmax = target_argmax.to(torch.long)
+    cap = _caps(max_accept, drafts, vocab)
+    n_acc = _leading_accepts(drafts == target_argmax[:, :k], cap)
+    bonus = target_argmax.gather(1, n_acc.view(-1, 1))
+    col = torch.arange(k + 1, device=drafts.device).view(1, -1)
+    out = torch.cat([drafts, torch.zeros(b, 1, dtype=torch.long, device=drafts.device)], dim=1)
+    out = torch.where(col < n_acc.view(-1, 1), out, torch.full_like(out, PAD_TOKEN))
+    out = out.scatter(1, n_acc.view(-1, 1), bonus)
+    return (n_acc + 1).to(torch.int32), out

@@ -29,7 +29,7 @@ from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from sglang_ssd.config import SaguaroConfig
 from sglang_ssd.saguaro.proposal import dequantize_proposal
 from sglang_ssd.saguaro.target_dist import is_greedy, target_probs
-from sglang_ssd.saguaro.verify import verify_chain
+from sglang_ssd.saguaro.verify import verify_chain, verify_chain_greedy
 from sglang_ssd.sglang.draft_link import DraftLink
 from sglang_ssd.sglang.verify_input import build_chain_verify_input
 
@@ -124,15 +124,20 @@ class SaguaroWorker(BaseSpecWorker):
         t_accept = time.perf_counter()
 
         # 3. exact acceptance
-        rep = lambda t: t.reshape(-1)[:, None].expand(bs, n).reshape(-1)  # per-request -> per-position
-        p = target_probs(logits.reshape(bs * n, -1), rep(temps), rep(info.top_ps.float()),
-                         rep(info.top_ks), rep(info.min_ps.float())).view(bs, n, -1)
-        q = dequantize_proposal(prop.q16).to(self.device) if prop.q16 is not None else None
-        accept_lens, out_tokens = verify_chain(
-            p, prop.tokens.to(self.device), q, greedy.to(self.device),
-            target_argmax=logits.argmax(dim=-1), generator=self.generator,
-            max_accept=prop.max_accept.to(self.device), q_valid=prop.q_valid.to(self.device),
-        )
+        target_argmax = logits.argmax(dim=-1)
+        if bool(greedy.all()):  # argmax match only: no target distributions, no random draws
+            accept_lens, out_tokens = verify_chain_greedy(prop.tokens.to(self.device), target_argmax, logits.shape[-1],
+                                                          max_accept=prop.max_accept.to(self.device))
+        else:
+            rep = lambda t: t.reshape(-1)[:, None].expand(bs, n).reshape(-1)  # per-request -> per-position
+            p = target_probs(logits.reshape(bs * n, -1), rep(temps), rep(info.top_ps.float()),
+                             rep(info.top_ks), rep(info.min_ps.float())).view(bs, n, -1)
+            q = dequantize_proposal(prop.q16).to(self.device) if prop.q16 is not None else None
+            accept_lens, out_tokens = verify_chain(
+                p, prop.tokens.to(self.device), q, greedy.to(self.device),
+                target_argmax=target_argmax, generator=self.generator,
+                max_accept=prop.max_accept.to(self.device), q_valid=prop.q_valid.to(self.device),
+            )
         accept_lens = accept_lens.to(torch.int32)
         t_end = time.perf_counter()
         self.link.record(accept_lens.tolist(), verify_s=t_accept - t_verify, accept_s=t_end - t_accept,

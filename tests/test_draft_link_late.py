@@ -151,3 +151,46 @@ def test_late_round_keeps_the_session_then_a_stall_costs_only_bounded_rounds(set
     assert "new session" not in caplog.text and set(draft.server.engine.requests) == set(rids)
     link.release(rids)
     assert not draft.server.engine.requests
+
+
+def test_late_release_and_a_broken_link_that_resumes_the_session(setup, caplog):
+    draft, link, target = setup
+    rids = [r.rid for r in target.reqs]
+    for _ in range(2):
+        _round(draft, link, target)
+    # a Release whose Ack is late: the entry stays until the Ack is in, nothing is reset
+    e, real_release = draft.server.engine, draft.server.engine.release
+
+    def slow_release(msg):
+        time.sleep(0.8)
+        return real_release(msg)
+
+    e.release = slow_release
+    t0 = time.monotonic()
+    link.release(["c"])
+    assert DEADLINE - 0.05 < time.monotonic() - t0 < DEADLINE + 0.3
+    assert link.stats.deadline_misses == 1 and link.states["c"].known_len < 0
+    e.release = real_release
+    target.reqs = target.reqs[:2]
+    prop, took = _round(draft, link, target)  # waits for the Ack (bounded), then speculates a and b
+    assert prop.max_accept.tolist() == [K, K] and took < 2 * DEADLINE
+    assert set(link.states) == {"a", "b"} and set(e.requests) == {"a", "b"} and draft.prefilled == [rids]
+
+    # an error reply breaks the link: the link reconnects, and its unchanged Hello resumes the session
+    real_spec = e.speculate
+
+    def failing(msg):
+        e.speculate = real_spec
+        raise RuntimeError("boom")  # the server answers "internal error" and drops these rows
+
+    e.speculate = failing
+    prop, _ = _round(draft, link, target)
+    assert prop.max_accept.tolist() == [0, 0] and not link.client_ok and link.stats.errors == 1
+    link._next_retry = 0.0
+    for _ in range(3):
+        prop, took = _round(draft, link, target)
+        assert prop.max_accept.tolist() == [K, K] and took < DEADLINE
+    s = link.as_dict()
+    assert s["reconnects"] == 1 and s["resumes"] == 1 and s["resets"] == 0
+    assert draft.prefilled[-1] == ["a", "b"]  # the rows of the failed call, re-prefilled in the same session
+    assert "new session" not in caplog.text and "session resumed" in caplog.text

@@ -23,7 +23,8 @@ import msgpack
 import numpy as np
 
 MAGIC = "sglang-ssd"
-PROTOCOL_VERSION = 2  # 2: Prefill carries per-request Saguaro sampling C; Hello the backup kind
+PROTOCOL_VERSION = 3  # 2: Prefill carries per-request Saguaro sampling C; Hello the backup kind
+                      # 3: HelloReply says whether the session was resumed (state kept)
 BACKUPS = ("neural", "fast", "auto")
 MAX_HEADER_BYTES = 4 << 20        # msgpack header frame
 MAX_FRAME_BYTES = 1 << 30         # any array frame (q of a large batch is the big one)
@@ -249,7 +250,8 @@ def decode(frames: Sequence[Buffer]) -> Message:
 
 @dataclass
 class Hello(Message):
-    """Session setup: the worker's config.  A new client_id (or a changed config) resets the draft."""
+    """Session setup: the worker's config.  A new client_id (or a changed config) resets the draft;
+    the same client repeating its session's original Hello (``same_session``) resumes it."""
 
     TYPE: ClassVar[str] = "hello"
     HEADER: ClassVar = ("version", "client_id", "k", "mode", "fan_out", "vocab_size", "eos_ids", "fan_out_miss",
@@ -284,11 +286,19 @@ class Hello(Message):
         if _str(self.backup, "backup") not in BACKUPS:
             raise _fail("backup", f"must be one of {BACKUPS}, got {self.backup!r}")
 
+    def same_session(self, other: "Hello") -> bool:
+        """Same client and every configuration field as sent (fan-outs as requested, not as re-fitted)."""
+        return self._fields() == other._fields()
+
 
 @dataclass
 class HelloReply(Message):
+    """``resumed``: the draft kept the session's requests, KV and cache (the same client repeated its
+    session's Hello); False = a fresh session, the worker must re-prefill its live requests."""
+
     TYPE: ClassVar[str] = "hello_reply"
-    HEADER: ClassVar = ("version", "draft_vocab_size", "draft_model_name", "pid", "device", "dtype", "max_batch")
+    HEADER: ClassVar = ("version", "draft_vocab_size", "draft_model_name", "pid", "device", "dtype", "max_batch",
+                        "resumed")
     version: int
     draft_vocab_size: int
     draft_model_name: str
@@ -296,6 +306,7 @@ class HelloReply(Message):
     device: str = "cpu"
     dtype: str = "float32"
     max_batch: int = MAX_BATCH
+    resumed: bool = False
 
     def validate(self):
         self.version = _int(self.version, "version", 0, 1 << 30)
@@ -304,6 +315,8 @@ class HelloReply(Message):
         self.pid = _int(self.pid, "pid", 0, 1 << 40)
         self.device, self.dtype = _str(self.device, "device"), _str(self.dtype, "dtype")
         self.max_batch = _int(self.max_batch, "max_batch", 1, 1 << 20)
+        if not isinstance(self.resumed, bool):
+            raise _fail("resumed", "must be a bool")
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """One draft process serves one target (issue 7): a second target connecting to the same endpoint is
 refused while the first is active, requests from peers that are not the session owner are rejected,
-the owner reconnecting under its stable client_id is accepted, and an idle owner can be replaced."""
+the owner reconnecting under its stable client_id is accepted (its session resumes when its Hello is
+the same), and an idle owner can be replaced."""
 
 from __future__ import annotations
 
@@ -62,13 +63,18 @@ def test_owner_reconnects_with_its_client_id_and_idle_owner_is_replaced(draft, m
     a2 = _client(draft, "target-a")  # same worker, new socket (what DraftLink does on reconnect)
     b = _client(draft, "target-b")
     try:
-        a2.hello(K, "async", FAN, V)  # accepted; the session starts fresh (the worker re-prefills)
+        # accepted; the same Hello resumes the session: r1 is still there and speculates without a prefill
+        assert a2.hello(K, "async", FAN, V).resumed
+        assert a2.health()["live_requests"] == 1
+        a2.speculate(1, ["r1"], [-1], [5], [0.0])
+        # a different configuration (here: mode) starts a fresh session (the worker re-prefills)
+        assert not a2.hello(K, "sync", FAN, V).resumed
         assert a2.health()["live_requests"] == 0
         a2.prefill(["r1"], [[1, 2, 3, 4]], [0.0])
         with pytest.raises(DraftError, match="serves another target"):
             b.hello(K, "async", FAN, V)
         monkeypatch.setattr(server_mod, "TAKEOVER_IDLE_S", 0.0)  # the owner has gone quiet
-        b.hello(K, "async", FAN, V)
+        assert not b.hello(K, "async", FAN, V).resumed
         assert b.health()["live_requests"] == 0
         with pytest.raises(DraftError, match="not this draft's session owner"):
             a2.speculate(1, ["r1"], [-1], [5], [0.0])

@@ -1,7 +1,8 @@
 """The worker's DraftLink against a confused draft (issue 7): replies with the wrong round, the wrong number
 of rows, token ids outside the vocabulary, q of the wrong shape, or an error, and a draft that never
 answers. Each is rejected, logged and counted; the round falls back to target-only decoding (nothing
-the draft sent is used) and the link reconnects on a later round."""
+the draft sent is used).  A broken link reconnects on a later round; a draft that merely misses the
+deadline keeps its session: no reconnect, and while its reply is outstanding rounds ask it nothing."""
 
 from __future__ import annotations
 
@@ -99,12 +100,26 @@ def test_confused_draft_rounds_fall_back_and_are_counted(case):
         assert time.monotonic() - t0 < 5.0  # bounded even when the draft never answers
         # nothing from the bad reply is used: a target-only round (no drafts may be accepted)
         assert prop.max_accept.tolist() == [0, 0] and not prop.q_valid.any() and not prop.hit.any()
-        assert link.stats.errors == 1 and link.stats.fallback_rows == 2
-        assert link.stats.deadline_misses == (1 if case == "no answer" else 0)
-        assert not link.client_ok and link.states == {}  # the link will reconnect and re-prefill
+        assert link.stats.fallback_rows == 2
+        if case == "no answer":  # a live draft that is late: nothing is reset, k = 0 is recorded
+            assert link.stats.errors == 0 and link.stats.deadline_misses == 1 and link.client_ok
+            assert {r: (s.spec, s.known_len) for r, s in link.states.items()} == {"r0": (None, 4), "r1": (None, 4)}
+            for r in reqs:
+                r.output_ids.append(5)  # what the target-only round committed
+            for rnd in range(2):  # one bounded wait for the late reply, then rounds do not wait at all
+                t0 = time.monotonic()
+                prop = link.speculate(reqs, [0.0, 1.0])
+                assert time.monotonic() - t0 < (0.3 if rnd == 0 else 0.0) + 0.25
+                assert prop.max_accept.tolist() == [0, 0]
+            assert fake.hellos == 1 and link.stats.reconnects == 0 and link.stats.stalled_rounds == 2
+            assert link.as_dict()["deadline_misses"] == 1 and link.as_dict()["late_replies_discarded"] == 0
+            return
+        assert link.stats.errors == 1 and link.stats.deadline_misses == 0
+        # a broken link: it will reconnect; these rows are out of sync and get re-prefilled
+        assert not link.client_ok and all(s.known_len < 0 for s in link.states.values())
         link._next_retry = 0.0
         link.speculate(reqs, [0.0, 1.0])  # next round: a fresh Hello (then the same bad answer)
-        assert fake.hellos == 2 and link.stats.reconnects == 1
+        assert fake.hellos == 2 and link.stats.reconnects == 1 and link.stats.resets == 1
     finally:
         link.cfg.spawn_draft = False
         link.client.close()

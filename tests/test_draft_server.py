@@ -548,3 +548,14 @@ def test_fan_out_auto_refits_the_schedule_and_builds_with_it(runner):
     assert 0 <= h["fanout_primary_measured_hit"] <= 1
     text = format_health(h)
     assert "primary" in text and "F = [" in text
+    # the same worker reconnecting with its session's ORIGINAL Hello resumes it: requests, KV, cache and
+    # the fitted fan-outs are kept (the Hello's fan_out is compared as sent, not as re-fitted)
+    fitted, entries, planner = (e.session.fan_out, e.session.fan_out_miss), e.cache.num_entries(), e.fanout
+    reply = e.hello(Hello(PROTOCOL_VERSION, "t", K, "async", [2, 2, 2, 2], V, [1], None, "neural", True))
+    assert reply.resumed and set(e.requests) == set(PROMPTS) and e.cache.num_entries() == entries > 0
+    assert (e.session.fan_out, e.session.fan_out_miss) == fitted and e.fanout is planner
+    t.step(outcomes)  # and carries on where it was (Target checks every request's context)
+    # any other Hello (here: other eos ids) starts a fresh session
+    reply = e.hello(Hello(PROTOCOL_VERSION, "t", K, "async", [2, 2, 2, 2], V, [], None, "neural", True))
+    assert not reply.resumed and not e.requests and e.cache.num_entries() == 0
+    assert e.fanout is not planner and sum(e.session.fan_out) == 8  # a new planner, fit from scratch

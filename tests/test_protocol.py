@@ -26,6 +26,7 @@ MESSAGES = [
     Hello(1, "c", 1, "sync", [1, 0], 10, [], fan_out_miss=[2, 0], req_id=2),
     HelloReply(version=1, draft_vocab_size=32000, draft_model_name="tiny", pid=123, device="cpu",
                dtype="float32", max_batch=64, req_id=3),
+    HelloReply(version=3, draft_vocab_size=96, draft_model_name="tiny", pid=7, resumed=True, req_id=14),
     Prefill(["a", "b"], [[1, 2, 3], [4]], [0.0, 0.7], req_id=4),
     Prefill([], [], [], req_id=5),
     Speculate(11, ["a", "b", "c"], [-1, 0, 4], [5, 6, 7], [0.0, 1.0, 0.5], req_id=6),
@@ -146,8 +147,23 @@ def test_semantic_validation():
                   q=np.zeros((1, 2, 5), np.float16)).encode()
     with pytest.raises(ProtocolError, match="stats"):
         HealthReply(stats={"x": "y"}).encode()
+    with pytest.raises(ProtocolError, match="resumed"):
+        HelloReply(version=3, draft_vocab_size=96, draft_model_name="t", pid=1, resumed=1).encode()
     with pytest.raises(ProtocolError, match="longer"):
         Release(["x" * (P.MAX_STR + 1)]).encode()
+
+
+def test_hello_same_session_compares_every_field_as_sent():
+    a = Hello(PROTOCOL_VERSION, "c", 3, "async", [2, 1, 1, 2], 96, [1])
+    assert a.same_session(Hello(PROTOCOL_VERSION, "c", 3, "async", [2, 1, 1, 2], 96, [1], req_id=9))
+    for other in (Hello(PROTOCOL_VERSION, "d", 3, "async", [2, 1, 1, 2], 96, [1]),
+                  Hello(PROTOCOL_VERSION, "c", 3, "sync", [2, 1, 1, 2], 96, [1]),
+                  Hello(PROTOCOL_VERSION, "c", 3, "async", [2, 1, 1, 3], 96, [1]),
+                  Hello(PROTOCOL_VERSION, "c", 3, "async", [2, 1, 1, 2], 96, []),
+                  Hello(PROTOCOL_VERSION, "c", 3, "async", [2, 1, 1, 2], 96, [1], [2, 1, 1, 2]),
+                  Hello(PROTOCOL_VERSION, "c", 3, "async", [2, 1, 1, 2], 96, [1], None, "fast"),
+                  Hello(PROTOCOL_VERSION, "c", 3, "async", [2, 1, 1, 2], 96, [1], None, "neural", True)):
+        assert not a.same_session(other)
 
 
 def test_prefill_token_buffer_consistency():

@@ -28,7 +28,11 @@ ALIVE_POLL_MS = 200
 
 
 class DraftTimeout(TimeoutError):
-    """No reply with the request's id arrived in time."""
+    """No reply with the request's id (``req_id``) arrived in time."""
+
+    def __init__(self, message: str, req_id: Optional[int] = None):
+        super().__init__(message)
+        self.req_id = req_id
 
 
 class DraftError(RuntimeError):
@@ -72,16 +76,17 @@ class DraftClient:
         return msg.req_id
 
     def recv(self, req_id: int, timeout_s: Optional[float] = None) -> Message:
-        """Wait for the reply to `req_id`; replies to other (timed-out) ids are discarded."""
+        """Wait for the reply to `req_id`; replies to other (timed-out) ids are discarded.
+        ``timeout_s`` 0 polls once: a reply already received is returned, else DraftTimeout."""
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         while True:
-            left_ms = int((deadline - time.monotonic()) * 1e3)
-            if left_ms <= 0:
-                raise DraftTimeout(f"no reply to request {req_id} from {self.endpoint} within "
-                                   f"{self.timeout_s if timeout_s is None else timeout_s} s")
+            left_ms = max(0, int((deadline - time.monotonic()) * 1e3))
             if not self.sock.poll(left_ms if self.alive is None else min(left_ms, ALIVE_POLL_MS)):
                 if self.alive is not None and not self.alive():
                     raise DraftError(f"the draft process behind {self.endpoint} is gone")
+                if left_ms <= 0:
+                    raise DraftTimeout(f"no reply to request {req_id} from {self.endpoint} within "
+                                       f"{self.timeout_s if timeout_s is None else timeout_s} s", req_id)
                 continue
             frames = [f.buffer for f in self.sock.recv_multipart(copy=False)]
             try:

@@ -83,6 +83,7 @@ class DraftEngine:
         self.runner = runner
         self.max_batch = max_batch
         self.session: Optional[Session] = None
+        self.hello_msg: Optional[Hello] = None  # the Hello that started the session, as received
         self.requests: dict[str, RequestState] = {}
         self.cache = SpecCache()
         self.backups = BackupChooser("neural")
@@ -100,26 +101,34 @@ class DraftEngine:
         if msg.vocab_size != self.runner.vocab_size:
             raise EngineError(f"vocab mismatch: target vocab_size {msg.vocab_size} != draft "
                               f"{self.runner.vocab_size}; the draft must share the target's vocabulary")
+        if self.session is not None and self.hello_msg is not None and self.hello_msg.same_session(msg):
+            # the same worker reconnected (new socket) with its session's original Hello: keep requests,
+            # KV, cache and the fitted fan-outs; it keeps its own per-request state too
+            logger.info("session resumed (client %s): keeping %d requests", msg.client_id, len(self.requests))
+            return self._hello_reply(resumed=True)
         new = Session(msg.client_id, msg.k, msg.mode, list(msg.fan_out),
                       list(msg.fan_out_miss if msg.fan_out_miss is not None else msg.fan_out),
                       msg.vocab_size, list(msg.eos_ids), msg.backup, msg.fan_out_auto)
-        # every Hello starts a fresh session: the worker says Hello only at (re)connect, after which it
-        # re-prefills its live requests, so anything the draft still holds is stale (and would leak)
+        # any other Hello starts a fresh session: the worker then re-prefills its live requests, so
+        # anything the draft still holds is stale (and would leak)
         if self.requests:
             logger.warning("new session (client %s, K=%d, %s, fan_out %s): dropping %d requests of the old one",
                            new.client_id, new.k, new.mode, new.fan_out, len(self.requests))
         self.reset()
-        self.session = new
+        self.session, self.hello_msg = new, msg
         self.backups = BackupChooser(new.backup)
         self.fanout = LiveFanOut(sum(new.fan_out), new.k) if new.fan_out_auto and new.mode == "async" else None
         if self.fanout is not None:
             new.fan_out, new.fan_out_miss = map(list, self.fanout.schedules())
         logger.info("session: client %s K=%d mode=%s fan_out=%s fan_out_miss=%s backup=%s", new.client_id,
                     new.k, new.mode, new.fan_out, new.fan_out_miss, new.backup)
+        return self._hello_reply(resumed=False)
+
+    def _hello_reply(self, resumed: bool) -> HelloReply:
         return HelloReply(version=PROTOCOL_VERSION, draft_vocab_size=self.runner.vocab_size,
                           draft_model_name=self.runner.cfg.name[:4096], pid=os.getpid(),
                           device=str(self.runner.device), dtype=str(self.runner.dtype).replace("torch.", ""),
-                          max_batch=self.max_batch)
+                          max_batch=self.max_batch, resumed=resumed)
 
     def reset(self) -> None:
         self.requests.clear()

@@ -3,8 +3,16 @@
 Each request's state is what the draft last proposed for it; the next round tells the draft the
 outcome (k accepted, bonus) of that proposal.  Whenever the draft is unreachable, slow or
 confused, ``speculate`` returns an empty proposal (``max_accept = 0``) and the round decodes
-one token with the target alone: output stays exact, nothing is lost.  The draft is then
-restarted (or reconnected) with backoff and live requests are re-prefilled lazily.
+one token with the target alone: output stays exact, nothing is lost.
+
+A late reply (the round's deadline passed) resets nothing: the draft still processes the request,
+in order, so the target-only round is recorded as the outcome "k = 0, bonus b" of the proposal it
+will have made; nothing more is sent until the late reply is in (one bounded wait, then rounds do
+not wait at all).  Only a broken link (dead process, error reply, bad reply, a draft silent for
+draft_timeout_s) reconnects, with backoff; a Hello that resumes the draft's session keeps every
+request's state, otherwise live requests are re-prefilled lazily.  Whatever the timing, a row is
+only told an outcome that ``_outcome`` checked against what SGLang committed; else it is
+re-prefilled (Prefill of a live rid replaces just that request).
 """
 
 from __future__ import annotations
@@ -17,53 +25,17 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from sglang_ssd.config import SaguaroConfig, check_saguaro_c
+from sglang_ssd.protocol import Ack, SpecReply
+from sglang_ssd.sglang.link_state import UNKNOWN, LinkStats, Proposal, _Late, _ReqState
+
+__all__ = ["DraftLink", "LinkStats", "Proposal"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Proposal:
-    """K draft tokens per request and what verification needs to stay exact."""
-
-    tokens: torch.Tensor  # [bs, K] int64
-    q16: Optional[torch.Tensor]  # [bs, K, V] float16 proposal distributions, rows with q only
-    q_valid: torch.Tensor  # [bs] bool: row has a sampled (non-deterministic) proposal
-    max_accept: torch.Tensor  # [bs] int64: drafts that may be accepted (0 = target-only round)
-    hit: torch.Tensor  # [bs] bool: came from the speculation cache
-    wait_s: float = 0.0
-
-
-@dataclass
-class _ReqState:
-    spec: list[int]  # the K tokens last proposed
-    known_len: int  # prompt + output tokens when the proposal was made
-
-
-@dataclass
-class LinkStats:
-    rounds: int = 0
-    rows: int = 0
-    hits: int = 0
-    fallback_rows: int = 0
-    accepted: int = 0  # accepted drafts + bonus tokens
-    wait_s: float = 0.0
-    waited_rounds: int = 0  # rounds whose draft reply took longer than WAITED_S (the target waited)
-    verify_s: float = 0.0  # target forward over the chains
-    accept_s: float = 0.0  # target probabilities + exact acceptance
-    round_s: float = 0.0  # whole decode round inside the worker (wait + verify + accept + glue)
-    gap_s: float = 0.0  # scheduler time between consecutive decode rounds (idle gaps > 1 s excluded)
-    answer_s: float = 0.0  # the draft's own time to answer (its reply's answer_ms: lookup + backup decode)
-    backup_s: float = 0.0  # ... of which just-in-time backup decoding of missed rows
-    reconnects: int = 0
-    errors: int = 0
-    deadline_misses: int = 0  # rounds whose drafts did not arrive within round_deadline_s
-    hist: list[int] = field(default_factory=list)
 
 
 PREFILL_S_PER_TOKEN = 0.002  # allowance per prompt token a draft prefill gets beyond the round deadline
@@ -84,7 +56,9 @@ class DraftLink:
         self.proc: Optional[subprocess.Popen] = None
         self.client = None
         self.round_id = 0
-        self.client_ok = True  # False after an error, until a reconnect succeeds
+        self.client_ok = True  # False after a broken-link error, until a reconnect succeeds
+        self._late: Optional[_Late] = None  # a request whose reply missed its deadline, still outstanding
+        self._inflight: Optional[tuple] = None  # (kind, rids, knowns, round_id) of the call under way
         self._last_round_end: Optional[float] = None
         self._wait_ema = 0.0  # recent draft reply time (s), successful rounds only
         self.client_id = uuid.uuid4().hex  # stable across reconnects: the draft knows its owner by it
@@ -137,10 +111,14 @@ class DraftLink:
                         raise
                     time.sleep(0.5)
             logger.info("saguaro: draft ready at %s (%s)", self.endpoint, info)
-            self.states.clear()
+            self._late = None  # a new socket: no reply to the old one will arrive
+            if not info.resumed:  # a fresh session: the draft holds nothing of ours
+                self.states.clear()
             self._backoff = 1.0
             if not startup:
                 self.stats.reconnects += 1
+                self.stats.resumes += int(info.resumed)
+                self.stats.resets += int(not info.resumed)
             return True
         except Exception as exc:
             if startup:
@@ -154,13 +132,66 @@ class DraftLink:
         return self.proc is None or self.proc.poll() is None
 
     def _fail(self, exc: Exception) -> None:
+        """A broken link (dead process, error or bad reply, a draft silent too long): reconnect later.
+        Rows of the failed call and of a late one are marked unknown (re-prefilled if the Hello resumes)."""
         self.stats.errors += 1
-        self.stats.deadline_misses += int(isinstance(exc, TimeoutError))
         logger.warning("saguaro: draft error (%s: %s); this round decodes with the target alone",
                        type(exc).__name__, exc)
         self.client_ok = False
-        self.states.clear()
+        self._forget(self._inflight[1] if self._inflight else [])
+        self._forget(self._late.rids if self._late else [])
+        self._late = self._inflight = None
         self._next_retry = time.monotonic() + self._backoff
+
+    def _forget(self, rids) -> None:
+        for rid in rids:
+            self.states[rid] = _ReqState(None, UNKNOWN)
+
+    def _missed(self, exc: Exception) -> None:
+        """The call under way missed its deadline: the live draft will still process it (no reset)."""
+        if self._inflight is None:  # not one of our calls: nothing to account for, treat as broken
+            return self._fail(exc)
+        kind, rids, knowns, round_id = self._inflight
+        self._inflight = None
+        self.stats.deadline_misses += 1
+        self._late = _Late(getattr(exc, "req_id", None) or 0, kind, list(rids), round_id, time.monotonic())
+        if kind == "speculate":  # the draft will have proposed something at these lengths: k = 0 next
+            for rid, known in zip(rids, knowns):
+                self.states[rid] = _ReqState(None, known)
+        else:  # a prefill (its rows were not speculated) or a release (acknowledged when the reply is in)
+            self._forget(rids)
+        logger.warning("saguaro: the draft missed the deadline of its %s (%s); this round decodes with the "
+                       "target alone, the session is kept and the late reply discarded", kind, exc)
+
+    def _settle_late(self, max_wait: float) -> bool:
+        """-> True when no late reply is outstanding (any that was is now received and discarded)."""
+        late = self._late
+        if late is None:
+            return True
+        try:
+            reply = self.client.recv(late.req_id, timeout_s=max_wait)
+        except TimeoutError:
+            silent = time.monotonic() - late.since
+            if silent > self.cfg.draft_timeout_s:  # alive but silent this long: treat the link as broken
+                raise RuntimeError(f"the draft has not answered its {late.kind} for {silent:.0f} s") from None
+            return False
+        self._late = None
+        self.stats.late_replies_discarded += 1
+        if late.kind == "speculate":
+            ok = isinstance(reply, SpecReply) and reply.round_id == late.round_id \
+                and reply.tokens.shape[0] == len(late.rids)
+        else:
+            ok = isinstance(reply, Ack)
+        if not ok:  # rejected (nothing changed on the draft) or confused: those rows are re-prefilled
+            logger.warning("saguaro: the late reply to a %s was a %s: %d rows will be re-prefilled",
+                           late.kind, reply.TYPE, len(late.rids))
+            self._forget(late.rids)
+        elif late.kind == "release":
+            for rid in late.rids:
+                self.states.pop(rid, None)
+        logger.info("saguaro: the late reply to the %s arrived after %.2f s; speculation resumes",
+                    late.kind, time.monotonic() - late.since)
+        return True
 
     def close(self) -> None:
         try:
@@ -186,19 +217,24 @@ class DraftLink:
                 return self._fallback(bs, t0)
             self.client_ok = True
         rids = [r.rid for r in reqs]
+        self._inflight = None
         try:
             if self.spawn and not self._alive():
                 raise RuntimeError(f"draft process exited with code {self.proc.returncode}")
+            # a late reply gets one wait of a round deadline (the next round), later rounds only look
+            if self._late is not None:
+                wait = 0.0 if self._late.waited else self._deadline()
+                self._late.waited = True
+                if not self._settle_late(wait):  # still busy: ask nothing, the draft would fall further behind
+                    self.stats.stalled_rounds += 1
+                    return self._fallback(bs, t0)
             self._release_departed(set(rids))
+            knowns = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
             ks, bonuses, new_rids, new_prompts, new_temps, new_cs = [], [], [], [], [], []
-            for r, temp in zip(reqs, temperatures):
-                known = len(r.origin_input_ids) + len(r.output_ids)
-                st = self.states.get(r.rid)
-                k = self._outcome(st, r, known)
-                if k is None:  # unknown to the draft (new, retracted, or after a restart)
-                    if st is not None:
-                        self.client.release([r.rid], timeout_s=self.cfg.round_deadline_s)
-                    new_rids.append(r.rid)
+            for r, temp, known in zip(reqs, temperatures, knowns):
+                k = self._outcome(self.states.get(r.rid), r, known)
+                if k is None:  # unknown to the draft (new, retracted, after a restart, out of sync)
+                    new_rids.append(r.rid)  # a Prefill of a live rid replaces that request
                     new_prompts.append(list(r.origin_input_ids) + list(r.output_ids[:-1]))
                     new_temps.append(temp)
                     new_cs.append(self._saguaro_c(r))
@@ -209,11 +245,13 @@ class DraftLink:
                 # prefill may take longer than a round (long prompts): the deadline grows with the
                 # tokens to encode, so a hung draft still cannot hold the target for long
                 n_tok = sum(len(x) for x in new_prompts)
+                self._inflight = ("prefill", new_rids, None, 0)
                 self.client.prefill(new_rids, new_prompts, new_temps, saguaro_c=new_cs,
                                     timeout_s=self.cfg.round_deadline_s + n_tok * PREFILL_S_PER_TOKEN)
             self.round_id += 1
             # the round's deadline bounds the target's wait: a hung or stopped draft costs one
-            # deadline, then rounds decode target-only until a (briefly tried) reconnect succeeds
+            # deadline (and one more wait for its late reply), then rounds decode target-only at once
+            self._inflight = ("speculate", rids, knowns, self.round_id)
             reply = self.client.speculate(self.round_id, rids, ks, bonuses, temperatures,
                                           timeout_s=self._deadline())
             tokens = torch.as_tensor(reply.tokens, dtype=torch.int64).reshape(bs, self.k)
@@ -228,9 +266,13 @@ class DraftLink:
                     raise ValueError(f"draft sent q of shape {tuple(reply.q.shape)}")
                 q16 = torch.zeros(bs, self.k, self.vocab_size, dtype=torch.float16)
                 q16[q_rows] = torch.from_numpy(reply.q)
-            for r, row in zip(reqs, tokens.tolist()):
-                self.states[r.rid] = _ReqState(spec=row, known_len=len(r.origin_input_ids) + len(r.output_ids))
             hit = torch.as_tensor(reply.hit, dtype=torch.bool).reshape(bs)
+            for r, row, known in zip(reqs, tokens.tolist(), knowns):
+                self.states[r.rid] = _ReqState(spec=row, known_len=known)
+            self._inflight = None
+        except TimeoutError as exc:  # DraftTimeout: a live draft that is late
+            self._missed(exc)
+            return self._fallback(bs, t0)
         except Exception as exc:
             self._fail(exc)
             return self._fallback(bs, t0)
@@ -262,9 +304,11 @@ class DraftLink:
 
     def _outcome(self, st: Optional[_ReqState], req, known: int) -> Optional[int]:
         """k for the last proposal, checked against what SGLang committed; None = out of sync."""
-        if st is None:
+        if st is None or st.known_len == UNKNOWN:
             return None
         k = known - st.known_len - 1  # the round added k accepted drafts + 1 bonus
+        if st.spec is None:  # a proposal never seen (late reply): only a target-only round fits it
+            return 0 if k == 0 else None
         if not 0 <= k <= self.k or list(req.output_ids[len(req.output_ids) - 1 - k : -1]) != st.spec[:k]:
             return None
         return k
@@ -272,18 +316,28 @@ class DraftLink:
     def _release_departed(self, live: set) -> None:
         gone = [rid for rid in self.states if rid not in live]
         if gone:
+            self._inflight = ("release", gone, None, 0)
             self.client.release(gone, timeout_s=self.cfg.round_deadline_s)
             for rid in gone:
                 del self.states[rid]
+            self._inflight = None
 
     def release(self, rids: list[str]) -> None:
+        """Finished requests.  With the link down or a late reply outstanding their entries stay, and
+        a later round releases them (``_release_departed``)."""
         rids = [r for r in rids if r in self.states]
         if not rids or not self.client_ok:
             return
         try:
+            if not self._settle_late(0.0):
+                return
+            self._inflight = ("release", rids, None, 0)
             self.client.release(rids, timeout_s=self.cfg.round_deadline_s)
             for rid in rids:
                 del self.states[rid]
+            self._inflight = None
+        except TimeoutError as exc:
+            self._missed(exc)
         except Exception as exc:
             self._fail(exc)
 
@@ -322,7 +376,8 @@ class DraftLink:
                 "accept_s": s.accept_s, "round_s": s.round_s, "gap_s": s.gap_s, "answer_s": s.answer_s,
                 "backup_s": s.backup_s,
                 "errors": s.errors, "reconnects": s.reconnects, "deadline_misses": s.deadline_misses,
-                "accept_hist": s.hist}
+                "late_replies_discarded": s.late_replies_discarded, "stalled_rounds": s.stalled_rounds,
+                "resets": s.resets, "resumes": s.resumes, "accept_hist": s.hist}
 
     def write_stats(self, path: str) -> None:
         tmp = path + ".tmp"
@@ -335,4 +390,5 @@ class DraftLink:
         rows = max(s.rows, 1)
         return (f"saguaro[{self.cfg.mode}] rounds={s.rounds} accept_len={s.accepted / rows:.2f} "
                 f"hit_rate={s.hits / rows:.2f} draft_wait_ms={1000 * s.wait_s / max(s.rounds, 1):.1f} "
-                f"fallback_rows={s.fallback_rows} errors={s.errors} accept_hist={s.hist}")
+                f"fallback_rows={s.fallback_rows} errors={s.errors} deadline_misses={s.deadline_misses} "
+                f"resets={s.resets} accept_hist={s.hist}")

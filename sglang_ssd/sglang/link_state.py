@@ -1,0 +1,72 @@
+"""What DraftLink keeps between rounds: the proposal handed to the verifier, what the draft holds per
+request (as far as the worker knows), a request whose reply missed its deadline, and the counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+UNKNOWN = -1  # _ReqState.known_len of a request whose draft-side state is unknown: re-prefill it
+
+
+@dataclass
+class Proposal:
+    """K draft tokens per request and what verification needs to stay exact."""
+
+    tokens: torch.Tensor  # [bs, K] int64
+    q16: Optional[torch.Tensor]  # [bs, K, V] float16 proposal distributions, rows with q only
+    q_valid: torch.Tensor  # [bs] bool: row has a sampled (non-deterministic) proposal
+    max_accept: torch.Tensor  # [bs] int64: drafts that may be accepted (0 = target-only round)
+    hit: torch.Tensor  # [bs] bool: came from the speculation cache
+    wait_s: float = 0.0
+
+
+@dataclass
+class _ReqState:
+    """The draft's state of one request: it proposed ``spec`` when it knew ``known_len`` tokens.
+    spec None: a proposal the worker never saw (its reply was late) -- only k = 0 is a consistent
+    outcome for it.  known_len UNKNOWN: the draft's state is not known (re-prefill before use); the
+    entry stays so that a request that finishes meanwhile is still released."""
+
+    spec: Optional[list[int]]
+    known_len: int
+
+
+@dataclass
+class _Late:
+    """A request whose reply missed its deadline.  The draft (alive, just slow) still processes it, in
+    order, before anything sent after it; nothing more is sent until its reply is in."""
+
+    req_id: int
+    kind: str  # "prefill" | "speculate" | "release"
+    rids: list[str]
+    round_id: int
+    since: float  # time.monotonic() when it missed its deadline
+    waited: bool = False  # the one bounded wait for it (the next round) is spent
+
+
+@dataclass
+class LinkStats:
+    rounds: int = 0
+    rows: int = 0
+    hits: int = 0
+    fallback_rows: int = 0
+    accepted: int = 0  # accepted drafts + bonus tokens
+    wait_s: float = 0.0
+    waited_rounds: int = 0  # rounds whose draft reply took longer than WAITED_S (the target waited)
+    verify_s: float = 0.0  # target forward over the chains
+    accept_s: float = 0.0  # target probabilities + exact acceptance
+    round_s: float = 0.0  # whole decode round inside the worker (wait + verify + accept + glue)
+    gap_s: float = 0.0  # scheduler time between consecutive decode rounds (idle gaps > 1 s excluded)
+    answer_s: float = 0.0  # the draft's own time to answer (its reply's answer_ms: lookup + backup decode)
+    backup_s: float = 0.0  # ... of which just-in-time backup decoding of missed rows
+    reconnects: int = 0
+    resets: int = 0  # reconnects whose Hello started a fresh draft session (live requests re-prefilled)
+    resumes: int = 0  # reconnects whose Hello resumed the same session (state kept)
+    errors: int = 0  # broken-link failures (dead process, error reply, bad reply): these reconnect
+    deadline_misses: int = 0  # requests whose reply did not arrive within its deadline (no reconnect)
+    late_replies_discarded: int = 0  # replies that arrived after their deadline, received and dropped
+    stalled_rounds: int = 0  # rounds decoded target-only without asking, a late reply still outstanding
+    hist: list[int] = field(default_factory=list)

@@ -7,7 +7,6 @@ counted).  Real DraftEngine / DraftServer on a tiny random model."""
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 

@@ -397,7 +397,11 @@ class SpecReply(Message):
     """tokens [n, K] int64; hit [n] bool; q [m, K, V] float16 = the wire image of the proposal each
     token was drawn from, for rows ``q_rows`` (sorted, = the rows with temperature > 0).
     The verifier must use ``dequantize_proposal(q)``: that is bit-identical to what the draft
-    sampled from.  Timings in milliseconds, measured inside the draft process."""
+    sampled from.  Timings in milliseconds, measured inside the draft process.
+
+    A row may be SHORT: d < K usable tokens followed by K - d entries of -1 (a cache entry whose build
+    was cut after depth d, so the target is never kept waiting for it).  The verifier may accept at
+    most d drafts of it; the q rows of the padded positions are zeros and never used."""
 
     TYPE: ClassVar[str] = "spec_reply"
     TIMINGS: ClassVar = ("answer_ms", "backup_ms", "build_ms", "glue_ms", "tree_ms")

@@ -65,11 +65,12 @@ class FakeDraft:
         remove_ipc_file(self.endpoint)
 
 
-def _reply(msg, n=None, k=K, round_id=None, token=1, q_rows=(), q_shape=None):
+def _reply(msg, n=None, k=K, round_id=None, token=1, q_rows=(), q_shape=None, rows=None):
     n = len(msg.rids) if n is None else n
     q = np.zeros(q_shape if q_shape is not None else (len(q_rows), k, V), dtype=np.float16)
+    tokens = np.full((n, k), token, dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
     return SpecReply(round_id=msg.round_id if round_id is None else round_id,
-                     tokens=np.full((n, k), token, dtype=np.int64), hit=np.zeros(n, dtype=np.bool_),
+                     tokens=tokens, hit=np.zeros(n, dtype=np.bool_),
                      q_rows=np.asarray(q_rows, dtype=np.int64), q=q)
 
 
@@ -77,6 +78,9 @@ CASES = {
     "wrong round": lambda m: _reply(m, round_id=m.round_id + 7),
     "missing rows": lambda m: _reply(m, n=len(m.rids) - 1),
     "token id outside the vocabulary": lambda m: _reply(m, token=V + 5),
+    "-1 padding before a valid token": lambda m: _reply(m, rows=[[1, -1, 2], [1, 1, 1]]),
+    "negative token id other than -1": lambda m: _reply(m, rows=[[1, 1, 1], [1, -2, -2]]),
+    "padding then an id >= vocab": lambda m: _reply(m, rows=[[1, -1, V], [1, 1, 1]]),
     "q of the wrong vocabulary": lambda m: _reply(m, q_rows=[0], q_shape=(1, K, V - 1)),
     "error reply": lambda m: ErrorReply(message="confused", rids=list(m.rids)),
     "no answer": lambda m: None,
@@ -120,6 +124,59 @@ def test_confused_draft_rounds_fall_back_and_are_counted(case):
         link._next_retry = 0.0
         link.speculate(reqs, [0.0, 1.0])  # next round: a fresh Hello (then the same bad answer)
         assert fake.hellos == 2 and link.stats.reconnects == 1 and link.stats.resets == 1
+    finally:
+        link.cfg.spawn_draft = False
+        link.client.close()
+        fake.close()
+
+
+def test_usable_drafts_accepts_only_trailing_padding():
+    import torch
+
+    from sglang_ssd.sglang.draft_link import usable_drafts
+
+    toks, cap = usable_drafts(torch.tensor([[4, 5, 6], [4, -1, -1], [-1, -1, -1], [V - 1, 0, -1]]), V)
+    assert toks.tolist() == [[4, 5, 6], [4, 0, 0], [0, 0, 0], [V - 1, 0, 0]] and cap.tolist() == [3, 1, 0, 2]
+    for bad in ([[4, -1, 5]], [[-1, 5, 5]], [[4, V, -1]], [[4, -3, -1]], [[4, 5, V]]):
+        with pytest.raises(ValueError):
+            usable_drafts(torch.tensor(bad), V)
+
+
+def test_short_speculations_cap_max_accept_and_the_outcome_check():
+    """A reply row with -1 padding (a cut draft build) is a d-token speculation: max_accept = d, the
+    padding becomes a valid id for the verify input, q rows pass through, and next round's outcome is
+    checked against the d usable tokens only."""
+    seen = []
+
+    def short(m):
+        seen.append(m)
+        if len(seen) > 1:
+            return _reply(m)
+        r = _reply(m, rows=[[5, -1, -1], [7, 8, -1]], q_rows=[1])
+        r.q[0, 0, 7] = r.q[0, 1, 8] = 1.0  # row 1's q; its padded position stays zero
+        return r
+
+    model_dir = make_tiny_model(vocab_size=V, seed=1)
+    fake = FakeDraft(short)
+    from sglang_ssd.sglang.draft_link import DraftLink
+
+    env = {"SGLANG_SSD_CONFIG": json.dumps({"spawn_draft": False, "draft_endpoint": fake.endpoint, "fan_out": 1,
+                                            "round_deadline_s": 5.0, "startup_timeout_s": 10})}
+    link = DraftLink(SaguaroConfig.from_sources(model_dir, K, env=env), vocab_size=V, eos_ids=[])
+    reqs = [SimpleNamespace(rid=f"r{i}", origin_input_ids=[1, 2, 3], output_ids=[4], sampling_params=None)
+            for i in range(2)]
+    try:
+        prop = link.speculate(reqs, [0.0, 1.0])
+        assert link.stats.errors == 0 and link.client_ok
+        assert prop.tokens.tolist() == [[5, 0, 0], [7, 8, 0]] and prop.max_accept.tolist() == [1, 2]
+        assert prop.q_valid.tolist() == [False, True] and float(prop.q16[1, 0, 7]) == 1.0
+        assert not prop.q16[1, 2].any()
+        assert link.states["r0"].spec == [5] and link.states["r1"].spec == [7, 8]
+        # r0 accepted its 1 usable draft (+ bonus); r1 claims 3 accepted: more than its 2 usable -> out of sync
+        reqs[0].output_ids = [4, 5, 9]
+        reqs[1].output_ids = [4, 7, 8, 0, 9]
+        link.speculate(reqs, [0.0, 1.0])
+        assert seen[1].ks == [1, -1] and link.stats.errors == 0
     finally:
         link.cfg.spawn_draft = False
         link.client.close()

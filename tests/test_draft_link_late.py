@@ -87,6 +87,11 @@ def setup(caplog):
     draft.server.stop()
 
 
+def _answered(prop) -> bool:
+    """The draft answered every row: K drafts, or 1..K-1 when its cache build was cut short."""
+    return all(1 <= m <= K for m in prop.max_accept.tolist())
+
+
 def _round(draft, link, target):
     """One decode round; checks the draft's context equals what SGLang committed whenever it spoke."""
     t0 = time.monotonic()
@@ -105,7 +110,7 @@ def test_late_round_keeps_the_session_then_a_stall_costs_only_bounded_rounds(set
     rids = [r.rid for r in target.reqs]
     for _ in range(3):
         prop, took = _round(draft, link, target)
-        assert prop.max_accept.tolist() == [K] * 3 and took < DEADLINE
+        assert _answered(prop) and took < DEADLINE
     assert draft.prefilled == [rids]
 
     # (1) one late round: target-only, nothing reset; the next round says k = 0 and speculates again
@@ -114,13 +119,13 @@ def test_late_round_keeps_the_session_then_a_stall_costs_only_bounded_rounds(set
     assert prop.max_accept.tolist() == [0] * 3 and DEADLINE - 0.05 < took < DEADLINE + 0.3
     assert link.stats.deadline_misses == 1 and link.client_ok
     prop, took = _round(draft, link, target)  # waits (bounded) for the late reply, then speculates
-    assert prop.max_accept.tolist() == [K] * 3 and took < 2 * DEADLINE
+    assert _answered(prop) and took < 2 * DEADLINE
     assert draft.ks[-1] == [0, 0, 0]  # the late round's outcome, as the draft saw its own proposal
     assert draft.prefilled == [rids]  # no re-prefill
     hits = 0
     for _ in range(6):
         prop, took = _round(draft, link, target)
-        assert prop.max_accept.tolist() == [K] * 3
+        assert _answered(prop)
         hits += int(prop.hit.sum())
     assert hits > 0
 
@@ -130,7 +135,7 @@ def test_late_round_keeps_the_session_then_a_stall_costs_only_bounded_rounds(set
     times = []
     while True:
         prop, took = _round(draft, link, target)
-        if prop.max_accept.tolist() == [K] * 3:  # it answered: rows out of step were re-prefilled
+        if _answered(prop):  # it answered: rows out of step were re-prefilled
             break
         assert prop.max_accept.tolist() == [0] * 3 and time.monotonic() - t_stall < 15
         times.append(took)
@@ -142,7 +147,7 @@ def test_late_round_keeps_the_session_then_a_stall_costs_only_bounded_rounds(set
     hits = 0
     for _ in range(4):
         prop, took = _round(draft, link, target)
-        assert prop.max_accept.tolist() == [K] * 3
+        assert _answered(prop)
         hits += int(prop.hit.sum())
     assert hits > 0
     s = link.as_dict()
@@ -173,7 +178,7 @@ def test_late_release_and_a_broken_link_that_resumes_the_session(setup, caplog):
     e.release = real_release
     target.reqs = target.reqs[:2]
     prop, took = _round(draft, link, target)  # waits for the Ack (bounded), then speculates a and b
-    assert prop.max_accept.tolist() == [K, K] and took < 2 * DEADLINE
+    assert _answered(prop) and took < 2 * DEADLINE
     assert set(link.states) == {"a", "b"} and set(e.requests) == {"a", "b"} and draft.prefilled == [rids]
 
     # an error reply breaks the link: the link reconnects, and its unchanged Hello resumes the session
@@ -189,7 +194,7 @@ def test_late_release_and_a_broken_link_that_resumes_the_session(setup, caplog):
     link._next_retry = 0.0
     for _ in range(3):
         prop, took = _round(draft, link, target)
-        assert prop.max_accept.tolist() == [K, K] and took < DEADLINE
+        assert _answered(prop) and took < DEADLINE
     s = link.as_dict()
     assert s["reconnects"] == 1 and s["resumes"] == 1 and s["resets"] == 0
     assert draft.prefilled[-1] == ["a", "b"]  # the rows of the failed call, re-prefilled in the same session

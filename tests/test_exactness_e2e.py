@@ -10,7 +10,8 @@ Path "hit" (async, fan-out covering every outcome): every round from step 3 on c
 (samples where x1 equals the rejected draft s1 are the engine's odd miss and are dropped; that conditions
 on x1 only, so the conditional law of (x2, x3) given x1 is unaffected).  Path "backup": sync mode, every
 round drafted just in time by the draft model.  Path "fast": sync mode with the n-gram / random-token
-backup (one-hot / uniform proposal rows).  Path "saguaro": C = 0.5 with top-2 fan-out (sigma needs F < V), so cache hits
+backup (one-hot / uniform proposal rows).  Path "cut": as "hit", but every cache build stops after depth 1,
+so every hit is a 1-token speculation padded with -1.  Path "saguaro": C = 0.5 with top-2 fan-out (sigma needs F < V), so cache hits
 and backup rounds mix; every sample is kept.
 For each x1, the counts of (x2, x3) are compared with the exact target law by enumeration (G-test, cells
 with expected count < 5 pooled); the G statistics and degrees of freedom add up over x1.  Seeds are fixed.
@@ -75,7 +76,9 @@ def run(pair, path: str, temp: float, seed: int, broken: str = "") -> tuple[torc
     c = 0.5 if path == "saguaro" else 1.0
     if path == "saguaro":                # sigma needs F < V: top-2 cached, so hits and backups mix
         full = [2] * (K + 1)
-    e = DraftEngine(draft, seed=seed, max_batch=N)
+    # path "cut": every build stops after depth 1 (as when the next Speculate arrives mid-build), so each
+    # hit is a 1-token speculation padded with -1 (max_accept 1)
+    e = DraftEngine(draft, seed=seed, max_batch=N, max_build_depth=1 if path == "cut" else None)
     e.hello(Hello(PROTOCOL_VERSION, "stat", K, mode, full, V, [], full, "fast" if path == "fast" else "neural"))
     rids = [f"r{i}" for i in range(N)]
     e.prefill(Prefill(rids, [PROMPT[:-1]] * N, [temp] * N, [c] * N))
@@ -108,7 +111,8 @@ def run(pair, path: str, temp: float, seed: int, broken: str = "") -> tuple[torc
         if broken == "plain_q":          # forget sigma: verify against softmax of the draft's own logits
             q = torch.stack([_probs(draft, [ctx[r] + drafts[i, :K - 1].tolist()], K, temp)[0]
                              for i, r in enumerate(live)]).half()
-        p = _probs(target, [ctx[r] + drafts[i].tolist() for i, r in enumerate(live)], K + 1, temp)
+        # padding -> 0 in the verify input, as the worker does (positions past max_accept are never used)
+        p = _probs(target, [ctx[r] + drafts[i].clamp_min(0).tolist() for i, r in enumerate(live)], K + 1, temp)
         greedy = torch.full((len(live),), broken == "greedy_accept")
         n_acc, out = verify_chain(p, drafts, dequantize_proposal(q), greedy, generator=g)
         nxt = []
@@ -119,7 +123,9 @@ def run(pair, path: str, temp: float, seed: int, broken: str = "") -> tuple[torc
             if len(ctx[r]) < len(PROMPT) + 3:
                 nxt.append(r)
         live = nxt
-    pure = path == "hit"
+    if path == "cut":
+        assert e.stats.builds_cut == e.stats.builds and hits > 0
+    pure = path in ("hit", "cut")
     # hit path: only step 3 can miss, and only through the odd outcome x1 == s1 (conditions on x1 only)
     assert not pure or (late_misses == 0 and missed == {r for r, a, b in zip(rids, x1, s1) if a == b})
     keep = [r for r in rids if not pure or r not in missed]
@@ -157,12 +163,12 @@ def chi2_sf(x: float, k: int) -> float:
 
 
 @pytest.mark.parametrize("path, temp", [("hit", 1.0), ("hit", 0.7), ("backup", 1.0), ("backup", 0.7), ("fast", 1.0),
-                                         ("saguaro", 1.0), ("saguaro", 0.7)])
+                                         ("saguaro", 1.0), ("saguaro", 0.7), ("cut", 1.0), ("cut", 0.7)])
 def test_output_law_is_the_targets(pair, path, temp):
     counts, hit_rate = run(pair, path, temp, seed=7)
     if path in ("backup", "fast"):
         assert hit_rate == 0.0
-    elif path == "hit":
+    elif path in ("hit", "cut"):
         assert hit_rate > 0.85, hit_rate    # the path under test really is the cache
     else:
         assert 0.2 < hit_rate < 0.95, hit_rate  # sigma on both cached and backup speculations

@@ -22,12 +22,12 @@ CONTEXT = 512  # small context so a prompt can sit right at the limit
 COMMON = ["--dtype", "float32", "--max-running-requests", "8", "--random-seed", "1", "--context-length", str(CONTEXT)]
 
 
-def _saguaro_server(target, draft, mode, tmp_path, **extra_cfg):
+def _saguaro_server(target, draft, mode, tmp_path, extra_env=None, **extra_cfg):
     endpoint = f"ipc://{tmp_path}/draft-{mode}-{uuid.uuid4().hex[:6]}.sock"
     stats = str(tmp_path / f"stats-{mode}.json")
     # fan_out 2 (B = 10 per request) keeps the CPU cache build, and this test, shorter
     env = {"SGLANG_SSD_CONFIG": json.dumps({"mode": mode, "draft_endpoint": endpoint, "stats_file": stats, "fan_out": 2,
-                                            "stats_interval": 20, **extra_cfg})}
+                                            "stats_interval": 20, **extra_cfg}), **(extra_env or {})}
     srv = SGLangServer(target, COMMON + ["--speculative-algorithm", "saguaro", "--speculative-draft-model-path",
                                          draft, "--speculative-num-steps", "4"],
                        env=env, cpu_core=0, log_path=str(tmp_path / f"server-{mode}.log"))
@@ -134,6 +134,23 @@ def test_saguaro_equals_plain_sglang(mode, target_path, draft_path, prompts, ref
     else:
         assert stats["hits"] == 0, stats
     # the draft holds no state for finished / aborted requests
+    assert health["live_requests"] == 0, health
+
+
+def test_async_with_cut_builds_equals_plain_sglang(target_path, draft_path, prompts, reference, tmp_path):
+    """Every draft cache build stops after depth 2 of K = 4 (SGLANG_SSD_MAX_BUILD_DEPTH, inherited by the
+    draft process): cache hits are 2-token speculations padded with -1; greedy output stays plain SGLang's."""
+    srv = _saguaro_server(target_path, draft_path, "async", tmp_path, extra_env={"SGLANG_SSD_MAX_BUILD_DEPTH": "2"})
+    with srv:
+        outs = _run_concurrent(srv, prompts, {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True})
+        time.sleep(1.0)
+        with DraftClient(srv.draft_endpoint, timeout_s=30) as client:
+            health = client.health()
+        stats = json.load(open(srv.stats_file))
+    for i, (o, ref) in enumerate(zip(outs, reference["greedy"])):
+        assert o["output_ids"] == ref, f"prompt {i} differs (cut builds)"
+    assert stats["errors"] == 0 and stats["fallback_rows"] == 0 and stats["hits"] > 0, stats
+    assert health["builds"] > 0 and health["builds_cut"] == health["builds"] and health["cut_depth_2"] > 0, health
     assert health["live_requests"] == 0, health
 
 

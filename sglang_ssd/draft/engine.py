@@ -1,9 +1,11 @@
 """DraftEngine: the SSD draft's state machine (no sockets here; server.py feeds it messages).
 
 Speculate = ANSWER FIRST (cache hit, or a just-in-time "backup" decode for missed rows), then -- in
-async mode, after the reply has left -- ``build_cache`` pre-computes the next round for every likely
-outcome: one glue forward over [root, s_1..s_K], top-fan_out bonus guesses per glue index (the token
-already proposed there excluded), K batched tree forwards, one entry per (rid, j, guess).
+async mode, after the reply has left -- ``build_cache`` (build.py) pre-computes the next round for
+every likely outcome: one glue forward over [root, s_1..s_K], top-fan_out bonus guesses per glue index
+(the token already proposed there excluded), K batched tree forwards, one entry per (rid, j, guess).
+The build stops as soon as the next message is waiting; entries finished to depth d < K are served as
+d-token speculations (PAD-padded), so a request's last_spec may be shorter than K.
 """
 
 from __future__ import annotations
@@ -12,18 +14,18 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
+from sglang_ssd.draft import build
 from sglang_ssd.draft.runner import DraftRunner, ForwardItem
 from sglang_ssd.draft.backup import BackupChooser, fast_backup
 from sglang_ssd.draft.fanout import LiveFanOut
 from sglang_ssd.draft.sampling import sample_rows
 from sglang_ssd.draft.spec_cache import SpecCache
 from sglang_ssd.draft.state import RequestState
-from sglang_ssd.draft.tree import fork_indices, tree_kv_len, tree_mask, tree_positions, tree_slots
 from sglang_ssd.protocol import (PROTOCOL_VERSION, Ack, Hello, HelloReply, Prefill, Release,
                                  Speculate, SpecReply)
 
@@ -64,6 +66,9 @@ class Stats:
     tree_ms: float = 0.0
     answer_ms: float = 0.0
     backup_ms: float = 0.0
+    builds_cut: int = 0                # builds stopped early because a message was waiting
+    builds_cut_before_glue: int = 0    # ... of which before the glue forward (nothing built)
+    cut_depth_hist: dict[int, int] = field(default_factory=dict)  # depths finished by all rows -> cuts
     last: dict[str, float] = field(default_factory=lambda: {"build_ms": 0.0, "glue_ms": 0.0, "tree_ms": 0.0})
 
 
@@ -79,8 +84,13 @@ def _ms(t0: float) -> float:
 
 
 class DraftEngine:
-    def __init__(self, runner: DraftRunner, seed: int = 0, max_batch: int = 1024):
+    def __init__(self, runner: DraftRunner, seed: int = 0, max_batch: int = 1024,
+                 build_chunk_tokens: Optional[int] = None, max_build_depth: Optional[int] = None):
         self.runner = runner
+        # the cache build polls for the next message between chunks of this many branch tokens
+        self.build_chunk_tokens = (build.default_chunk_tokens(runner.device) if build_chunk_tokens is None
+                                   else build_chunk_tokens)
+        self.max_build_depth = build.default_max_depth() if max_build_depth is None else max_build_depth
         self.max_batch = max_batch
         self.session: Optional[Session] = None
         self.hello_msg: Optional[Hello] = None  # the Hello that started the session, as received
@@ -189,9 +199,11 @@ class DraftEngine:
         if unknown:
             raise EngineError(f"unknown rid(s) {unknown[:8]}", unknown)
         bad_k = [r for r, k in zip(msg.rids, msg.ks)
-                 if k > s.k or (k >= 0 and self.requests[r].last_spec is None)]
+                 if k > s.k or (k >= 0 and (self.requests[r].last_spec is None
+                                            or k > len(self.requests[r].last_spec)))]
         if bad_k:
-            raise EngineError(f"k must be -1 or in [0, K={s.k}] and >= 0 only after a speculation", bad_k)
+            raise EngineError(f"k must be -1 or in [0, K={s.k}], >= 0 only after a speculation and at most "
+                              f"its usable length", bad_k)
         bad_b = [r for r, b in zip(msg.rids, msg.bonuses) if b >= self.runner.vocab_size]
         if bad_b:
             raise EngineError("bonus token id >= vocab size", bad_b)
@@ -237,8 +249,9 @@ class DraftEngine:
                     jit_logits[i] = raw[r]
         backup_ms = _ms(t_b) if missed else 0.0
         self.backups.replied(kind, len(missed), backup_ms / 1e3 if missed else None)
-        for i, st in enumerate(states):
-            st.last_spec, st.last_hit = tokens[i].tolist(), bool(hit[i])
+        for i, st in enumerate(states):  # a short (cut-build) entry's PAD tail was never proposed
+            row = tokens[i].tolist()
+            st.last_spec, st.last_hit = row[:row.index(build.PAD)] if build.PAD in row else row, bool(hit[i])
         if s.mode == "async":
             self.pending = [(st, jit_logits.get(i)) for i, st in enumerate(states)]
         q_rows = [i for i in range(n) if msg.temperatures[i] > 0]
@@ -297,93 +310,10 @@ class DraftEngine:
         return toks, q16, raw
 
     # ---------------------------------------------------------------------------- cache build
-    def build_cache(self) -> None:
-        """Async mode, after the reply: pre-compute the next round for the likely outcomes."""
-        pending, self.pending = self.pending, []
-        if not pending or self.session is None:
-            return
-        s = self.session
-        k_spec = s.k
-        t0 = time.perf_counter()
-        # (a) GLUE: KV + logits for [root, s_1..s_K] at slots/positions P..P+K
-        items, reuse = [], []
-        for st, jit in pending:
-            p = st.root_slot
-            seq = st.tokens + st.last_spec
-            valid = st.valid_prefix(seq)
-            if jit is not None and valid >= p + k_spec:  # backup decode already ran root..s_{K-1}
-                start, n_logits = p + k_spec, 1
-            else:
-                jit, start, n_logits = None, min(valid, p), k_spec + 1
-            st.begin_write(start)
-            items.append(ForwardItem.extend(st.kv, seq[start:], start, n_logits))
-            reuse.append(jit)
-        outs = self.runner.forward(items)
-        glue = []
-        for (st, _), it, jit, out in zip(pending, items, reuse, outs):
-            st.end_write(it.tokens.tolist())
-            glue.append(out if jit is None else torch.cat([jit, out]))  # [K+1, V]
-        t_glue = _ms(t0)
-
-        # (b) FORKS: top-fan_out[j] raw-logit tokens at glue row j, s_{j+1} excluded for j < K
-        plans = []
-        for (st, _), z in zip(pending, glue):
-            fan = s.fan_out if st.last_hit else s.fan_out_miss
-            st.cache_fan = list(fan)
-            fan = [min(f, self.runner.vocab_size - (1 if j < k_spec else 0)) for j, f in enumerate(fan)]
-            if sum(fan) == 0:
-                st.cache_fan = None
-                continue
-            z = z.clone()
-            z[torch.arange(k_spec), torch.as_tensor(st.last_spec, device=z.device)] = -torch.inf
-            top = torch.topk(z, max(fan), dim=-1).indices.cpu()            # [K+1, maxF]
-            guesses = torch.cat([top[j, :f] for j, f in enumerate(fan)])   # fork-index-major
-            plans.append((st, fork_indices(fan), guesses))
-
-        # (c) TREE: K depths, one batched forward per depth over all branches of all requests
-        t1 = time.perf_counter()
-        results = self._decode_tree(plans, k_spec)
-
-        # (d) STORE: cache[(rid, j, guess)] = (K tokens, q16)
-        for (st, forks, guesses), (toks, q16) in zip(plans, results):
-            self.cache.put(st.rid, list(zip(forks, guesses.tolist())), toks, q16, st.temperature)
-        t_tree, total = _ms(t1), _ms(t0)
-        self.stats.builds += 1
-        self.stats.build_ms += total
-        self.stats.glue_ms += t_glue
-        self.stats.tree_ms += t_tree
-        self.stats.last = {"build_ms": total, "glue_ms": t_glue, "tree_ms": t_tree}
-        self.backups.built(total / 1e3)
-
-    def _decode_tree(self, plans, k_spec: int) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
-        if not plans:
-            return []
-        v = self.runner.vocab_size
-        inputs = [g for _, _, g in plans]
-        toks = [torch.zeros(len(g), k_spec, dtype=torch.long) for g in inputs]
-        q16s: list[Optional[torch.Tensor]] = [
-            torch.zeros(len(g), k_spec, v, dtype=torch.float16, device=self.runner.device)
-            if st.temperature > 0 else None for (st, _, g) in plans]
-        temps = torch.cat([torch.full((len(g),), st.temperature) for st, _, g in plans])
-        cs = torch.cat([torch.full((len(g),), st.saguaro_c) for st, _, g in plans])
-        sizes = [len(g) for g in inputs]
-        fan = self.session.fan_out  # a cached speculation is a hit next round: its cache uses fan_out
-        for d in range(k_spec):
-            items = []
-            for (st, forks, _), x in zip(plans, inputs):
-                p, b = st.root_slot, len(forks)
-                items.append(ForwardItem(st.kv, x, tree_positions(p, forks, d), tree_slots(p, k_spec, b, d),
-                                         tree_kv_len(p, k_spec, b, d), tree_mask(p, k_spec, forks, d), b))
-            logits = torch.cat(self.runner.forward(items))
-            tok, q = sample_rows(logits, temps, self.gen, torch.full((len(temps),), fan[d]), cs,
-                                 self.runner.support)
-            inputs = list(torch.split(tok.cpu(), sizes))
-            qs = torch.split(q, sizes) if q is not None else [None] * len(plans)
-            for r in range(len(plans)):
-                toks[r][:, d] = inputs[r]
-                if q16s[r] is not None:
-                    q16s[r][:, d] = qs[r]
-        return list(zip(toks, q16s))
+    def build_cache(self, should_stop: Optional[Callable[[], bool]] = None) -> None:
+        """Async mode, after the reply: pre-compute the next round for the likely outcomes, stopping
+        early (short or no entries) as soon as should_stop() says a message is waiting (build.py)."""
+        build.build_cache(self, should_stop)
 
     # ---------------------------------------------------------------------------------- stats
     def health(self) -> dict[str, float]:
@@ -402,6 +332,8 @@ class DraftEngine:
             "cache_entries": self.cache.num_entries(), "cache_bytes": self.cache.nbytes(),
             "builds": st.builds, "avg_build_ms": st.build_ms / builds, "avg_glue_ms": st.glue_ms / builds,
             "avg_tree_ms": st.tree_ms / builds, "last_build_ms": st.last["build_ms"],
+            "builds_cut": st.builds_cut, "builds_cut_before_glue": st.builds_cut_before_glue,
+            **{f"cut_depth_{d}": n for d, n in sorted(st.cut_depth_hist.items())},
             "avg_answer_ms": st.answer_ms / max(st.rounds, 1),
             "avg_backup_ms": st.backup_ms / max(st.rounds, 1),
             "forward_calls": self.runner.forward_calls, "forward_tokens": self.runner.forward_tokens,

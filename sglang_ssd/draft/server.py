@@ -1,5 +1,9 @@
 """DraftServer: single-threaded ROUTER loop  recv -> handle -> reply  (-> build the cache, async mode).
 
+The cache build polls the socket between its steps (``_message_waiting``) and stops as soon as a
+request is waiting, so the target never waits for a build; a Health probe is answered in passing
+without cutting the build.
+
 Robustness rules: undecodable frames, wrong versions and handler exceptions are logged and answered
 with an ErrorReply (addressed to the request id when it can be read); the loop never dies on input.
 """
@@ -54,6 +58,7 @@ class DraftServer:
         self.owner_id: Optional[str] = None  # Hello.client_id of the target this draft serves
         self.owner_ident: Optional[bytes] = None  # its current ROUTER identity (new after a reconnect)
         self.owner_seen = 0.0
+        self._stashed: Optional[list] = None  # frames received by a build's poll, handled next
         try:
             if curve_keys is not None:
                 self.auth = curve.configure_server(self.sock, self.ctx, curve_keys)
@@ -83,9 +88,11 @@ class DraftServer:
                     "CurveZMQ: authorized workers only" if self.curve else "no authentication: loopback / ipc")
         try:
             while not self._stop.is_set():
-                if not self.sock.poll(poll_ms):
-                    continue
-                frames = self.sock.recv_multipart(copy=False)
+                frames, self._stashed = self._stashed, None
+                if frames is None:
+                    if not self.sock.poll(poll_ms):
+                        continue
+                    frames = self.sock.recv_multipart(copy=False)
                 if not self._handle_frames(frames):
                     break
         finally:
@@ -138,14 +145,29 @@ class DraftServer:
         logger.debug("%s handled in %.2f ms", msg.TYPE, (time.perf_counter() - t0) * 1e3)
         if isinstance(msg, Shutdown) and not isinstance(reply, ErrorReply):
             return False
-        if self.engine.pending:  # ANSWER FIRST, then build the next round's cache
+        if self.engine.pending:  # ANSWER FIRST, then build the next round's cache (until a message waits)
             try:
-                self.engine.build_cache()
+                self.engine.build_cache(self._message_waiting)
             except Exception:
                 self.handler_errors += 1
                 logger.exception("cache build failed; next round will miss")
                 self.engine.cache.clear()
         return True
+
+    def _message_waiting(self) -> bool:
+        """The build's should_stop: True once a message is waiting (it is kept and handled next).
+        Health probes are answered here and do not stop the build."""
+        while self._stashed is None and not self._stop.is_set() and self.sock.poll(0, zmq.POLLIN):
+            frames = self.sock.recv_multipart(copy=False)
+            try:
+                is_health = isinstance(decode([f.buffer for f in frames[1:]]), Health)
+            except ProtocolError:
+                is_health = False
+            if not is_health:
+                self._stashed = frames
+                break
+            self._handle_frames(frames)  # engine.pending is empty during a build: no nested build
+        return self._stashed is not None or self._stop.is_set()
 
     def _admit(self, ident: bytes, msg: Message) -> None:
         """Isolation between targets: only the session owner (the client_id of the accepted Hello, at

@@ -18,12 +18,16 @@ from sglang_ssd.draft.client import DraftClient
 
 
 def format_health(h: dict) -> str:
+    cuts = ", ".join(f"{d}: {n}" for d, n in sorted((int(k[len("cut_depth_"):]), int(v)) for k, v in h.items()
+                                                    if k.startswith("cut_depth_")))
     lines = [f"rounds {int(h.get('rounds', 0))}, rows {int(h.get('rows', 0))}, hit rate {h.get('hit_rate', 0):.3f} "
              f"({int(h.get('hits', 0))} hits, {int(h.get('misses', 0))} misses), live requests "
              f"{int(h.get('live_requests', 0))}",
              f"backup rows: neural {int(h.get('neural_backup_rows', 0))}, fast {int(h.get('fast_backup_rows', 0))}"
              f" (current choice {'fast' if h.get('backup_fast_now') else 'neural'}); avg build "
-             f"{h.get('avg_build_ms', 0):.1f} ms, avg backup {h.get('avg_backup_ms', 0):.1f} ms"]
+             f"{h.get('avg_build_ms', 0):.1f} ms, avg backup {h.get('avg_backup_ms', 0):.1f} ms",
+             f"cache builds {int(h.get('builds', 0))}, cut short by a waiting message {int(h.get('builds_cut', 0))} "
+             f"(after depth: {cuts or 'none'})"]
     if "fanout_observations" in h:
         lines.append(f"fan-out fit from {int(h['fanout_observations'])} verified rows:")
         for src in ("primary", "backup"):

@@ -38,6 +38,19 @@ __all__ = ["DraftLink", "LinkStats", "Proposal"]
 logger = logging.getLogger(__name__)
 
 
+def usable_drafts(tokens: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reply tokens [bs, K] -> (tokens with the -1 padding replaced by 0, max_accept [bs] int64).
+
+    A row is d valid ids followed by K - d entries of -1 (a speculation the draft finished to depth d
+    only); anything else (-1 before a valid id, other negatives, ids >= vocab) is a protocol error."""
+    valid = (tokens >= 0) & (tokens < vocab_size)
+    max_accept = valid.to(torch.int64).cumprod(dim=-1).sum(dim=-1)
+    tail = torch.arange(tokens.shape[1])[None, :] >= max_accept[:, None]
+    if not bool(((tokens == -1) == tail).all()):
+        raise ValueError("draft proposed token ids outside the vocabulary")
+    return torch.where(tail, torch.zeros_like(tokens), tokens), max_accept
+
+
 PREFILL_S_PER_TOKEN = 0.002  # allowance per prompt token a draft prefill gets beyond the round deadline
 WAITED_S = 0.005  # a reply slower than this was computed while the target waited (a ready one is ~1 ms)
 
@@ -254,9 +267,8 @@ class DraftLink:
             self._inflight = ("speculate", rids, knowns, self.round_id)
             reply = self.client.speculate(self.round_id, rids, ks, bonuses, temperatures,
                                           timeout_s=self._deadline())
-            tokens = torch.as_tensor(reply.tokens, dtype=torch.int64).reshape(bs, self.k)
-            if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size:
-                raise ValueError("draft proposed token ids outside the vocabulary")
+            tokens, max_accept = usable_drafts(
+                torch.as_tensor(reply.tokens, dtype=torch.int64).reshape(bs, self.k), self.vocab_size)
             q_rows = torch.as_tensor(reply.q_rows, dtype=torch.int64)
             q_valid = torch.zeros(bs, dtype=torch.bool)
             q_valid[q_rows] = True
@@ -267,8 +279,8 @@ class DraftLink:
                 q16 = torch.zeros(bs, self.k, self.vocab_size, dtype=torch.float16)
                 q16[q_rows] = torch.from_numpy(reply.q)
             hit = torch.as_tensor(reply.hit, dtype=torch.bool).reshape(bs)
-            for r, row, known in zip(reqs, tokens.tolist(), knowns):
-                self.states[r.rid] = _ReqState(spec=row, known_len=known)
+            for r, row, n, known in zip(reqs, tokens.tolist(), max_accept.tolist(), knowns):
+                self.states[r.rid] = _ReqState(spec=row[:n], known_len=known)  # only what may be accepted
             self._inflight = None
         except TimeoutError as exc:  # DraftTimeout: a live draft that is late
             self._missed(exc)
@@ -283,7 +295,7 @@ class DraftLink:
         self.stats.answer_s += reply.answer_ms / 1e3
         self.stats.backup_s += reply.backup_ms / 1e3
         self.stats.hits += int(hit.sum())
-        return Proposal(tokens, q16, q_valid, torch.full((bs,), self.k, dtype=torch.int64), hit, wait)
+        return Proposal(tokens, q16, q_valid, max_accept, hit, wait)
 
     def _deadline(self) -> float:
         """The round's wait bound: round_deadline_s, stretched to 5x the recent reply time so a big
@@ -309,7 +321,7 @@ class DraftLink:
         k = known - st.known_len - 1  # the round added k accepted drafts + 1 bonus
         if st.spec is None:  # a proposal never seen (late reply): only a target-only round fits it
             return 0 if k == 0 else None
-        if not 0 <= k <= self.k or list(req.output_ids[len(req.output_ids) - 1 - k : -1]) != st.spec[:k]:
+        if not 0 <= k <= len(st.spec) or list(req.output_ids[len(req.output_ids) - 1 - k : -1]) != st.spec[:k]:
             return None
         return k
 

@@ -1,0 +1,212 @@
+"""The SSD cache build (async mode, after a reply): glue, forks, K tree depths, store.
+
+The build never makes the target wait for it: between tree depths (and between chunks of a long depth,
+and after the glue) it asks ``should_stop`` -- the server's "is a message waiting?" -- and, when one is,
+stops at once so the next Speculate is answered without delay.  A request whose tree finished d of K
+depths (1 <= d < K) keeps d-token entries: the token rows are padded with PAD (-1) from position d on,
+their q rows with zeros there; a hit on one is served as a d-token speculation (the verifier's
+max_accept becomes d).  A request with no finished depth stores nothing: its next round is a miss and
+takes the backup.  Either way every stored token is the one sampled from its stored q, so greedy and
+sampled verification stay exact.
+
+Knobs (constructor arguments of DraftEngine, defaults from the environment of the draft process):
+  SGLANG_SSD_BUILD_CHUNK_TOKENS  branch tokens per tree forward before the next poll (0 = one forward
+                                 per depth; default 64 on CPU, 0 on CUDA where a forward costs the same
+                                 for few or many tokens)
+  SGLANG_SSD_MAX_BUILD_DEPTH     build at most this many depths (tests: forces short entries / no entries)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+
+from sglang_ssd.draft.runner import ForwardItem
+from sglang_ssd.draft.sampling import sample_rows
+from sglang_ssd.draft.tree import fork_indices, tree_kv_len, tree_mask, tree_positions, tree_slots
+
+if TYPE_CHECKING:
+    from sglang_ssd.draft.engine import DraftEngine
+
+logger = logging.getLogger(__name__)
+
+PAD = -1  # token value of positions a cut build did not reach (protocol.SpecReply)
+CHUNK_ENV, DEPTH_ENV = "SGLANG_SSD_BUILD_CHUNK_TOKENS", "SGLANG_SSD_MAX_BUILD_DEPTH"
+CPU_CHUNK_TOKENS = 64
+
+
+def _env_int(name: str) -> Optional[int]:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer >= 0, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {raw!r}")
+    return value
+
+
+def default_chunk_tokens(device: torch.device) -> int:
+    env = _env_int(CHUNK_ENV)
+    if env is not None:
+        return env
+    return 0 if device.type == "cuda" else CPU_CHUNK_TOKENS
+
+
+def default_max_depth() -> Optional[int]:
+    return _env_int(DEPTH_ENV)
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _chunks(sizes: list[int], max_tokens: int) -> list[list[int]]:
+    """Consecutive plan indices grouped so a group has <= max_tokens branches (>= 1 plan; 0 = one group)."""
+    if max_tokens <= 0:
+        return [list(range(len(sizes)))] if sizes else []
+    out, cur, tot = [], [], 0
+    for i, n in enumerate(sizes):
+        if cur and tot + n > max_tokens:
+            out.append(cur)
+            cur, tot = [], 0
+        cur.append(i)
+        tot += n
+    if cur:
+        out.append(cur)
+    return out
+
+
+def build_cache(e: "DraftEngine", should_stop: Optional[Callable[[], bool]] = None) -> None:
+    """Pre-compute the next round for e.pending's likely outcomes; stops early when should_stop()."""
+    pending, e.pending = e.pending, []
+    if not pending or e.session is None:
+        return
+    stop = should_stop or (lambda: False)
+    s = e.session
+    k_spec = s.k
+    limit = k_spec if e.max_build_depth is None else min(k_spec, e.max_build_depth)
+    t0 = time.perf_counter()
+    for st, _ in pending:
+        st.cache_fan = None  # set again below for the requests whose entries get stored
+    if stop():  # the next message is already here: answer it, build nothing
+        _record(e, t0, 0.0, 0.0, cut_depth=0, before_glue=True)
+        return
+    # (a) GLUE: KV + logits for [root, s_1..s_d] at slots/positions P..P+d (d = len(last_spec) <= K)
+    items, reuse = [], []
+    for st, jit in pending:
+        p, d = st.root_slot, len(st.last_spec)
+        seq = st.tokens + st.last_spec
+        valid = st.valid_prefix(seq)
+        if jit is not None and d == k_spec and valid >= p + k_spec:  # backup decode ran root..s_{K-1}
+            start, n_logits = p + k_spec, 1
+        else:
+            jit, start, n_logits = None, min(valid, p), d + 1
+        st.begin_write(start)
+        items.append(ForwardItem.extend(st.kv, seq[start:], start, n_logits))
+        reuse.append(jit)
+    outs = e.runner.forward(items)
+    glue = []
+    for (st, _), it, jit, out in zip(pending, items, reuse, outs):
+        st.end_write(it.tokens.tolist())
+        glue.append(out if jit is None else torch.cat([jit, out]))  # [d+1, V]
+    t_glue = _ms(t0)
+    if limit == 0 or stop():
+        _record(e, t0, t_glue, 0.0, cut_depth=0)
+        return
+
+    # (b) FORKS: top-fan[j] raw-logit tokens at glue row j, s_{j+1} excluded for j < d.  After a short
+    # speculation (d < K) the outcome j = d means "all d accepted": it gets the largest of fan[d..K].
+    plans = []
+    for (st, _), z in zip(pending, glue):
+        d = len(st.last_spec)
+        fan = s.fan_out if st.last_hit else s.fan_out_miss
+        fan = list(fan[:d]) + [max(fan[d:])]
+        fan = [min(f, e.runner.vocab_size - (1 if j < d else 0)) for j, f in enumerate(fan)]
+        if sum(fan) == 0:
+            continue
+        z = z.clone()
+        if d:
+            z[torch.arange(d), torch.as_tensor(st.last_spec, device=z.device)] = -torch.inf
+        top = torch.topk(z, max(fan), dim=-1).indices.cpu()            # [d+1, maxF]
+        guesses = torch.cat([top[j, :f] for j, f in enumerate(fan)])   # fork-index-major
+        plans.append((st, fork_indices(fan), guesses, fan))
+
+    # (c) TREE: up to K depths, batched over all branches of all requests (chunked), polling between
+    t1 = time.perf_counter()
+    results = _decode_tree(e, plans, k_spec, limit, stop)
+
+    # (d) STORE: cache[(rid, j, guess)] = (tokens, q16), PAD from the first depth not reached
+    for (st, forks, guesses, fan), (toks, q16, done) in zip(plans, results):
+        if done == 0:
+            continue
+        e.cache.put(st.rid, list(zip(forks, guesses.tolist())), toks, q16, st.temperature)
+        st.cache_fan = fan
+    t_tree = _ms(t1)
+    reached = min((done for _, _, done in results), default=k_spec)
+    _record(e, t0, t_glue, t_tree, cut_depth=reached if reached < k_spec else None)
+
+
+def _decode_tree(e: "DraftEngine", plans, k_spec: int, limit: int, stop: Callable[[], bool]):
+    """-> per plan (tokens [B, K] long, PAD-padded; q16 [B, K, V] or None; depths done)."""
+    if not plans:
+        return []
+    v = e.runner.vocab_size
+    inputs = [g for _, _, g, _ in plans]
+    sizes = [len(g) for g in inputs]
+    toks = [torch.full((n, k_spec), PAD, dtype=torch.long) for n in sizes]
+    q16s = [torch.zeros(len(g), k_spec, v, dtype=torch.float16, device=e.runner.device)
+            if st.temperature > 0 else None for (st, _, g, _) in plans]
+    done = [0] * len(plans)
+    fan = e.session.fan_out  # a cached speculation is a hit next round: its cache uses fan_out
+    chunks = _chunks(sizes, e.build_chunk_tokens)
+    for d in range(limit):
+        for c, chunk in enumerate(chunks):
+            items = []
+            for r in chunk:
+                st, forks, _, _ = plans[r]
+                p, b = st.root_slot, len(forks)
+                items.append(ForwardItem(st.kv, inputs[r], tree_positions(p, forks, d),
+                                         tree_slots(p, k_spec, b, d), tree_kv_len(p, k_spec, b, d),
+                                         tree_mask(p, k_spec, forks, d), b))
+            logits = torch.cat(e.runner.forward(items))
+            temps = torch.cat([torch.full((sizes[r],), plans[r][0].temperature) for r in chunk])
+            cs = torch.cat([torch.full((sizes[r],), plans[r][0].saguaro_c) for r in chunk])
+            tok, q = sample_rows(logits, temps, e.gen, torch.full((len(temps),), fan[d]), cs, e.runner.support)
+            csizes = [sizes[r] for r in chunk]
+            outs = torch.split(tok.cpu(), csizes)
+            qs = torch.split(q, csizes) if q is not None else [None] * len(chunk)
+            for r, x, qr in zip(chunk, outs, qs):
+                inputs[r] = x
+                toks[r][:, d] = x
+                if q16s[r] is not None:
+                    q16s[r][:, d] = qr
+                done[r] = d + 1
+            more = d + 1 < limit or c + 1 < len(chunks)
+            if more and stop():
+                return list(zip(toks, q16s, done))
+    return list(zip(toks, q16s, done))
+
+
+def _record(e: "DraftEngine", t0: float, t_glue: float, t_tree: float, cut_depth: Optional[int],
+            before_glue: bool = False) -> None:
+    """Build stats; cut_depth = depths every request finished when the build was cut (None: not cut)."""
+    total = _ms(t0)
+    st = e.stats
+    st.builds += 1
+    st.build_ms += total
+    st.glue_ms += t_glue
+    st.tree_ms += t_tree
+    st.last = {"build_ms": total, "glue_ms": t_glue, "tree_ms": t_tree}
+    if cut_depth is not None:
+        st.builds_cut += 1
+        st.builds_cut_before_glue += int(before_glue)
+        st.cut_depth_hist[cut_depth] = st.cut_depth_hist.get(cut_depth, 0) + 1
+        logger.debug("cache build cut after %d depth(s) (%.1f ms)", cut_depth, total)
+    e.backups.built(total / 1e3)

@@ -23,8 +23,9 @@ import msgpack
 import numpy as np
 
 MAGIC = "sglang-ssd"
-PROTOCOL_VERSION = 3  # 2: Prefill carries per-request Saguaro sampling C; Hello the backup kind
+PROTOCOL_VERSION = 4  # 2: Prefill carries per-request Saguaro sampling C; Hello the backup kind
                       # 3: HelloReply says whether the session was resumed (state kept)
+                      # 4: Prefill.round0: build a round-0 cache (sent while the target prefills)
 BACKUPS = ("neural", "fast", "auto")
 MAX_HEADER_BYTES = 4 << 20        # msgpack header frame
 MAX_FRAME_BYTES = 1 << 30         # any array frame (q of a large batch is the big one)
@@ -323,16 +324,20 @@ class HelloReply(Message):
 class Prefill(Message):
     """Start requests: the draft computes KV for every prompt token.  Prompts travel as one int64
     array plus lengths; an existing rid is replaced.  saguaro_c: per request Saguaro sampling C in
-    (0, 1] (1 = plain sampling; empty = all 1)."""
+    (0, 1] (1 = plain sampling; empty = all 1).  round0: the target is prefilling these prompts now
+    (the worker sent this before its own prefill), so in async mode the draft pre-computes the first
+    round's speculations for its top guesses of the first sampled token; a prefilled request counts as
+    having proposed an empty speculation (its first outcome is k = 0 with that token as the bonus)."""
 
     TYPE: ClassVar[str] = "prefill"
-    HEADER: ClassVar = ("rids",)
+    HEADER: ClassVar = ("rids", "round0")
     ARRAYS: ClassVar = {"tokens": ("<i8", 1), "lens": ("<i8", 1), "temperatures": ("<f8", 1),
                         "saguaro_c": ("<f8", 1)}
     rids: list[str]
     prompts: list[list[int]]
     temperatures: list[float]
     saguaro_c: list[float] = field(default_factory=list)
+    round0: bool = False
 
     def _arrays(self):
         return {"tokens": np.asarray([t for p in self.prompts for t in p], dtype=np.int64).reshape(-1),
@@ -367,6 +372,8 @@ class Prefill(Message):
         self.saguaro_c = _float_list(self.saguaro_c, "saguaro_c")
         if any(not 0.0 < c <= 1.0 for c in self.saguaro_c):
             raise _fail("saguaro_c", "every C must be in (0, 1]")
+        if not isinstance(self.round0, bool):
+            raise _fail("round0", "must be a bool")
 
 
 @dataclass

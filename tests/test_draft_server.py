@@ -238,7 +238,8 @@ def test_rejections_leave_state_untouched(runner):
         e.speculate(Speculate(0, ["a", "ghost"], [-1, -1], [5, 5], [0.0, 0.0]))
     assert ei.value.rids == ["ghost"]
     with pytest.raises(EngineError) as ei:
-        e.speculate(Speculate(0, ["a", "b"], [-1, 0], [5, 5], [0.0, 0.0]))  # b never got a speculation
+        # a prefill counts as an empty speculation: k = 0 is b's only outcome before its first round
+        e.speculate(Speculate(0, ["a", "b"], [-1, 1], [5, 5], [0.0, 0.0]))
     assert ei.value.rids == ["b"]
     with pytest.raises(EngineError, match="bonus"):
         e.speculate(Speculate(0, ["a"], [-1], [V], [0.0]))

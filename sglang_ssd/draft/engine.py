@@ -180,6 +180,12 @@ class DraftEngine:
             self.runner.forward(items)
             for st, it in zip(batch, items):
                 st.end_write(it.tokens.tolist())
+        for st in states:  # an empty proposal: the first round reports k = 0 and the first sampled token
+            st.last_spec, st.last_hit = [], False
+        replaced = {st.rid for st in states}
+        self.pending = [(st, j) for st, j in self.pending if st.rid not in replaced]
+        if msg.round0 and s.mode == "async":  # the target is prefilling: build round 0 meanwhile
+            self.pending += [(st, None) for st in states]
         return Ack(count=len(states))
 
     def release(self, msg: Release) -> Ack:

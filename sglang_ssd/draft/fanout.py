@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 class LiveFanOut:
     def __init__(self, budget: int, k: int, refresh_every: int = 64):
+        self.k = k
         self.planner = FanOutPlanner(budget, k, refresh_every=refresh_every)
         self._seen = 0
 
@@ -31,8 +32,8 @@ class LiveFanOut:
         """One round's rows (before the states advance); True if the schedules changed."""
         before = self.schedules()
         for st, k, hit in zip(states, ks, hits):
-            if k < 0 or st.last_spec is None:
-                continue
+            if k < 0 or st.last_spec is None or len(st.last_spec) < self.k:
+                continue  # no speculation, or a short one (cut build, round 0): k is censored there
             fan = st.cache_fan[k] if (hit is not None and st.cache_fan) else None
             self.planner.observe(k, st.last_hit, None if fan is None else hit, fan)
         changed = self.schedules() != before

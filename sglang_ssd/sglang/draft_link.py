@@ -31,6 +31,7 @@ import torch
 
 from sglang_ssd.config import SaguaroConfig, check_saguaro_c
 from sglang_ssd.protocol import Ack, SpecReply
+from sglang_ssd.sglang import early_prefill
 from sglang_ssd.sglang.link_state import UNKNOWN, LinkStats, Proposal, _Late, _ReqState
 
 __all__ = ["DraftLink", "LinkStats", "Proposal"]
@@ -189,6 +190,9 @@ class DraftLink:
                 raise RuntimeError(f"the draft has not answered its {late.kind} for {silent:.0f} s") from None
             return False
         self._late = None
+        if late.kind == early_prefill.KIND:  # sent early on purpose, not late
+            early_prefill.settle(self, late, reply)
+            return True
         self.stats.late_replies_discarded += 1
         if late.kind == "speculate":
             ok = isinstance(reply, SpecReply) and reply.round_id == late.round_id \
@@ -236,7 +240,8 @@ class DraftLink:
                 raise RuntimeError(f"draft process exited with code {self.proc.returncode}")
             # a late reply gets one wait of a round deadline (the next round), later rounds only look
             if self._late is not None:
-                wait = 0.0 if self._late.waited else self._deadline()
+                first = self._late.first_wait if self._late.first_wait is not None else self._deadline()
+                wait = 0.0 if self._late.waited else first
                 self._late.waited = True
                 if not self._settle_late(wait):  # still busy: ask nothing, the draft would fall further behind
                     self.stats.stalled_rounds += 1
@@ -334,6 +339,18 @@ class DraftLink:
                 del self.states[rid]
             self._inflight = None
 
+    def prefill_early(self, reqs, temperatures: list[float]) -> int:
+        """While the target prefills: send the draft these requests' prompts (early_prefill.py)."""
+        return early_prefill.start(self, reqs, temperatures, PREFILL_S_PER_TOKEN)
+
+    def settle_early(self) -> None:
+        """After the target's prefill: take the draft's Ack if it is already in (never waits)."""
+        if self._late is not None and self._late.kind == early_prefill.KIND and self.client_ok:
+            try:
+                self._settle_late(0.0)
+            except Exception as exc:
+                self._fail(exc)
+
     def release(self, rids: list[str]) -> None:
         """Finished requests.  With the link down or a late reply outstanding their entries stay, and
         a later round releases them (``_release_departed``)."""
@@ -389,7 +406,8 @@ class DraftLink:
                 "backup_s": s.backup_s,
                 "errors": s.errors, "reconnects": s.reconnects, "deadline_misses": s.deadline_misses,
                 "late_replies_discarded": s.late_replies_discarded, "stalled_rounds": s.stalled_rounds,
-                "resets": s.resets, "resumes": s.resumes, "accept_hist": s.hist}
+                "resets": s.resets, "resumes": s.resumes, "early_prefills": s.early_prefills,
+                "accept_hist": s.hist}
 
     def write_stats(self, path: str) -> None:
         tmp = path + ".tmp"

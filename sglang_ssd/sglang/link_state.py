@@ -40,11 +40,13 @@ class _Late:
     order, before anything sent after it; nothing more is sent until its reply is in."""
 
     req_id: int
-    kind: str  # "prefill" | "speculate" | "release"
+    kind: str  # "prefill" | "speculate" | "release" | "prefill0" (early_prefill.py: not late, just sent early)
     rids: list[str]
     round_id: int
-    since: float  # time.monotonic() when it missed its deadline
+    since: float  # time.monotonic() when it missed its deadline (prefill0: when it was sent)
     waited: bool = False  # the one bounded wait for it (the next round) is spent
+    knowns: list[int] = field(default_factory=list)  # prefill0: the rows' prompt lengths
+    first_wait: Optional[float] = None  # the next round's wait for it (default: the round deadline)
 
 
 @dataclass
@@ -66,6 +68,7 @@ class LinkStats:
     resets: int = 0  # reconnects whose Hello started a fresh draft session (live requests re-prefilled)
     resumes: int = 0  # reconnects whose Hello resumed the same session (state kept)
     errors: int = 0  # broken-link failures (dead process, error reply, bad reply): these reconnect
+    early_prefills: int = 0  # rows whose draft prefill was sent while the target prefilled them
     deadline_misses: int = 0  # requests whose reply did not arrive within its deadline (no reconnect)
     late_replies_discarded: int = 0  # replies that arrived after their deadline, received and dropped
     stalled_rounds: int = 0  # rounds decoded target-only without asking, a late reply still outstanding

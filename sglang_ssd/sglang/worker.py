@@ -80,8 +80,16 @@ class SaguaroWorker(BaseSpecWorker):
         return self._prefill(batch, on_publish)
 
     def _prefill(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
-        """Plain target prefill; the draft learns the prompt lazily at the first decode round."""
+        """Plain target prefill; the draft gets the prompts first and encodes them meanwhile (and, in
+        async mode, builds round 0's speculations), so the first decode round need not wait for it."""
+        if self.cfg.early_prefill:
+            info = batch.sampling_info
+            temps = info.temperatures.reshape(-1).float()
+            greedy = is_greedy(temps, info.top_ks.reshape(-1))
+            self.link.prefill_early(batch.reqs, torch.where(greedy, torch.zeros_like(temps), temps).tolist())
         result = self._target_worker.forward_batch_generation(batch)
+        if self.cfg.early_prefill:
+            self.link.settle_early()
         bs = len(batch.reqs)
         new_seq_lens = batch.seq_lens.clone()  # the sampled token has no KV yet
         accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)

@@ -51,8 +51,8 @@ TEMPS = (0.0, 1.0)
 CONTEXTS = (100, 1000, 3000)  # tier 4 prompt lengths (tokens)
 FAN_OUT = 4  # per depth (budget 4 K), as the demo and results/draft_quality.md
 LINK_KEYS = ("rounds", "rows", "hits", "fallback_rows", "waited_rounds", "wait_s", "verify_s", "accept_s",
-             "round_s", "gap_s", "answer_s", "backup_s", "errors")
-DRAFT_KEYS = ("neural_backup_rows", "fast_backup_rows", "backup_rows", "builds")
+             "round_s", "gap_s", "answer_s", "backup_s", "errors", "resets", "deadline_misses", "early_prefills")
+DRAFT_KEYS = ("neural_backup_rows", "fast_backup_rows", "backup_rows", "builds", "builds_cut")
 
 
 def plan(tiers: set[int], repeats: int) -> list[dict]:
@@ -193,7 +193,8 @@ def run_cell(srv, c: dict, prompts: list[list[int]], tokens: int) -> dict:
                     "hit_rate": round(d["hits"] / rows, 3), "waited_frac": round(d["waited_rounds"] / rounds, 3),
                     "backup_frac": round(d["backup_rows"] / rows, 3),
                     "fast_backup_rows": d["fast_backup_rows"], "fallback_rows": d["fallback_rows"],
-                    "errors": d["errors"],
+                    "errors": d["errors"], "resets": d["resets"], "deadline_misses": d["deadline_misses"],
+                    "builds": d["builds"], "builds_cut": d["builds_cut"],
                     # per-round time split (ms): draft wait, target verify forward, exact acceptance,
                     # the rest of the worker, the scheduler between rounds; and the draft's cache builds
                     "wait_ms": round(1000 * d["wait_s"] / rounds, 2),

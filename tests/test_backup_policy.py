@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from sglang_ssd.saguaro.backup_policy import (BackupPolicy, critical_batch_size, critical_batch_threshold,
@@ -50,6 +50,8 @@ def test_edge_cases():
        t_p=st.floats(0.0, 2.0), t_n=st.floats(0.0, 2.0), t_f=st.floats(0.0, 2.0))
 def test_decision_monotone_in_b_and_matches_scan(p, e_hit, e_n, e_f, t_p, t_n, t_f):
     """fast-wins(b) changes at most once along b, and critical_batch_size is its first True."""
+    # a miss rate below float resolution (p = 1 - 1e-16) makes the two speedups differ only by rounding
+    assume(p == 1.0 or 1.0 - p > 1e-9)
     wins = [expected_speedup(p, e_hit, e_f, t_p, t_f, b) > expected_speedup(p, e_hit, e_n, t_p, t_n, b)
             for b in range(1, 65)]
     assert sum(x != y for x, y in zip(wins, wins[1:])) <= 1

@@ -75,10 +75,15 @@ class GreedyTarget:
 @pytest.fixture()
 def setup(caplog):
     caplog.set_level(logging.INFO)
+    yield from link_setup("async")
+
+
+def link_setup(mode: str):
+    """A real draft server (slowable) on the tiny model, the worker's DraftLink to it, a greedy target."""
     model_dir = make_tiny_model(vocab_size=V, seed=1)
     draft = SlowDraft(model_dir)
     env = {"SGLANG_SSD_CONFIG": json.dumps({"spawn_draft": False, "draft_endpoint": draft.server.endpoint,
-                                            "mode": "async", "fan_out": 2, "round_deadline_s": DEADLINE,
+                                            "mode": mode, "fan_out": 2, "round_deadline_s": DEADLINE,
                                             "draft_timeout_s": 30, "startup_timeout_s": 20})}
     link = DraftLink(SaguaroConfig.from_sources(model_dir, K, env=env), vocab_size=V, eos_ids=[])
     target = GreedyTarget(DraftRunner.from_dir(model_dir))

@@ -5,30 +5,16 @@ chunks send nothing; a failed early prefill falls back to the lazy prefill at ro
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
 
-from sglang_ssd.config import SaguaroConfig
-from sglang_ssd.draft.runner import DraftRunner
-from sglang_ssd.sglang.draft_link import DraftLink
-from tests.test_draft_link_late import DEADLINE, K, V, GreedyTarget, SlowDraft, _answered, _round
-from tests.tiny_models import make_tiny_model
+from tests.test_draft_link_late import DEADLINE, _answered, _round, link_setup
 
 
 @pytest.fixture()
 def early(request):
-    model_dir = make_tiny_model(vocab_size=V, seed=1)
-    draft = SlowDraft(model_dir)
-    env = {"SGLANG_SSD_CONFIG": json.dumps({"spawn_draft": False, "draft_endpoint": draft.server.endpoint,
-                                            "mode": request.param, "fan_out": 2, "round_deadline_s": DEADLINE,
-                                            "draft_timeout_s": 30, "startup_timeout_s": 20})}
-    link = DraftLink(SaguaroConfig.from_sources(model_dir, K, env=env), vocab_size=V, eos_ids=[])
-    target = GreedyTarget(DraftRunner.from_dir(model_dir))
-    yield draft, link, target
-    link.client.close()
-    draft.server.stop()
+    yield from link_setup(request.param)
 
 
 def _prefill(link, target, delay=0.2):
@@ -89,3 +75,20 @@ def test_middle_chunk_sends_nothing_and_a_failed_early_prefill_falls_back(early)
     draft.server.engine.prefill = real
     prop, _ = _round(draft, link, target)  # the rows were forgotten: round 1 prefills them lazily
     assert _answered(prop) and draft.ks[0] == [-1, -1, -1] and link.client_ok
+
+
+def test_finished_at_prefill_names_requests_the_prefill_ends():
+    from types import SimpleNamespace as NS
+
+    from sglang_ssd.sglang.early_prefill import finished_at_prefill
+
+    def req(rid, max_new=16, stop=(), ignore_eos=False, chunk_end=None):
+        r = NS(rid=rid, origin_input_ids=[1, 2, 3], output_ids=[],
+               sampling_params=NS(max_new_tokens=max_new, stop_token_ids=set(stop), ignore_eos=ignore_eos))
+        if chunk_end is not None:
+            r.extend_end = chunk_end
+        return r
+
+    reqs = [req("one", max_new=1), req("eos"), req("eos-ignored", ignore_eos=True), req("stop", stop=[7]),
+            req("goes-on"), req("middle-chunk", max_new=1, chunk_end=2)]
+    assert finished_at_prefill(reqs, [5, 2, 2, 7, 5, 5], eos_ids=[2]) == ["one", "eos", "stop"]

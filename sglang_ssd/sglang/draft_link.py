@@ -358,7 +358,9 @@ class DraftLink:
         if not rids or not self.client_ok:
             return
         try:
-            if not self._settle_late(0.0):
+            late = self._late
+            early = late is not None and late.kind == early_prefill.KIND  # an Ack due at once: take it
+            if not self._settle_late((late.first_wait or self._deadline()) if early else 0.0):
                 return
             self._inflight = ("release", rids, None, 0)
             self.client.release(rids, timeout_s=self.cfg.round_deadline_s)

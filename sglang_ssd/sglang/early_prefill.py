@@ -10,6 +10,9 @@ the bonus, which hits the round-0 cache when the guess was right.
 The Prefill travels as an outstanding call of the link (``_Late`` of kind "prefill0"): nothing else is
 sent until its Ack is in, the first decode round waits for it at most once (bounded as a prefill is),
 and if it fails or never comes the rows are simply prefilled the old way at a later round.
+SGLang tells a speculative worker only of requests that finish in decode rounds: a request that ends
+with its prefill (``finished_at_prefill``) is released at once; one aborted right after its prefill is
+released at the next decode round (``DraftLink._release_departed``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from sglang_ssd.sglang.link_state import UNKNOWN, _Late, _ReqState
 logger = logging.getLogger(__name__)
 
 KIND = "prefill0"
+GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
 
 
 def prefill_complete(req) -> bool:
@@ -39,6 +43,11 @@ def start(link, reqs, temperatures, s_per_token: float) -> int:
     for r, t in zip(reqs, temperatures):
         full = len(r.origin_input_ids) + len(r.output_ids)
         st = link.states.get(r.rid)
+        sp = getattr(r, "sampling_params", None)
+        if getattr(sp, "max_new_tokens", None) == 1:  # finishes with this prefill: nothing to draft
+            continue
+        if any(getattr(sp, g, None) for g in GRAMMAR_FIELDS):  # refused by saguaro after the prefill
+            continue
         if prefill_complete(r) and (st is None or st.known_len != full):
             rows.append((r, float(t), full))
     if not rows:
@@ -71,3 +80,21 @@ def settle(link, late: _Late, reply) -> None:
         logger.warning("saguaro: the round-0 prefill got a %s: %d rows will be prefilled at their first round",
                        reply.TYPE, len(late.rids))
         link._forget(late.rids)
+
+
+def finished_at_prefill(reqs, next_token_ids, eos_ids) -> list[str]:
+    """Requests this prefill will finish (SGLang tells a spec worker only of requests finishing in
+    decode rounds): one new token allowed, or an EOS / stop token sampled.  Their early-prefilled draft
+    state is released at once.  (A stop string matched by the first token is released at the next
+    decode round, by ``DraftLink._release_departed``.)"""
+    out = []
+    for r, tok in zip(reqs, next_token_ids):
+        sp = getattr(r, "sampling_params", None)
+        if sp is None or not prefill_complete(r):
+            continue
+        stops = set(getattr(sp, "stop_token_ids", None) or ())
+        if not getattr(sp, "ignore_eos", False):
+            stops |= set(eos_ids) | set(getattr(r, "eos_token_ids", None) or ())
+        if getattr(sp, "max_new_tokens", None) == 1 or int(tok) in stops:
+            out.append(r.rid)
+    return out

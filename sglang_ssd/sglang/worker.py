@@ -30,6 +30,7 @@ from sglang_ssd.config import SaguaroConfig
 from sglang_ssd.saguaro.proposal import dequantize_proposal
 from sglang_ssd.saguaro.target_dist import is_greedy, target_probs
 from sglang_ssd.saguaro.verify import verify_chain, verify_chain_greedy
+from sglang_ssd.sglang import early_prefill
 from sglang_ssd.sglang.draft_link import DraftLink
 from sglang_ssd.sglang.verify_input import build_chain_verify_input
 
@@ -90,6 +91,9 @@ class SaguaroWorker(BaseSpecWorker):
         result = self._target_worker.forward_batch_generation(batch)
         if self.cfg.early_prefill:
             self.link.settle_early()
+            done = early_prefill.finished_at_prefill(batch.reqs, result.next_token_ids.tolist(), self.link.eos_ids)
+            if done:
+                self.link.release(done)
         bs = len(batch.reqs)
         new_seq_lens = batch.seq_lens.clone()  # the sampled token has no KV yet
         accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)

@@ -98,7 +98,7 @@ def write_report(res: dict) -> None:
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.with_suffix(".json").write_text(json.dumps(res, indent=1))
     lines = ["# Chain verify cost vs AR decode step (issue 14)", "",
-             f"CPU: {res['cpu']}; target {res['target']} fp32 on one core (torch threads 1 per process), "
+             f"CPU: {res['cpu']}; target {res['target']} fp32 pinned to core 0 (taskset; the sync-mode draft idles on core 1 while the target verifies), "
              f"K = {K} (verify of {K + 1} tokens per request), {res['new_tokens']} greedy tokens per request; "
              "times are medians of `ModelRunner.forward` (model + logits, no sampling) over the forwards whose "
              "batch holds all b requests, from scripts/bench_verify.py. Target: verify / AR <= 1.8 at every "

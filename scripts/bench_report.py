@@ -214,7 +214,7 @@ def write_report(state: dict, out: Path = OUT) -> None:
         "speculator (cache misses).", "",
         "## Where a round's time goes (ms per decode round, medians)", ""] + time_split(agg) + [
         "", "draft wait: worker blocked on the draft's reply; target verify: the target's forward over the "
-        "K+1-token chains (SGLang's extend path on CPU); acceptance: target probabilities + exact acceptance; "
+        "K+1-token chains (the linear chain verify on CPU, sglang_ssd/cpu/chain_attention.py); acceptance: target probabilities + exact acceptance; "
         "worker rest: bookkeeping in our worker; scheduler: SGLang's scheduler between two decode rounds "
         "(batch bookkeeping, output processing); draft cache build: the draft's per-round work in SSD "
         "(off the critical path when it fits inside the verify)."]

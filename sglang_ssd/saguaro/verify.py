@@ -208,10 +208,16 @@ def verify_chain(
     bonus = torch.where(greedy, target_argmax[rows, n_acc], sample_categorical(bonus_p, generator))
 
     # 3. Pack: accepted drafts, the bonus, then padding.
-    col = torch.arange(k1, device=device).view(1, -1)
-    out = torch.cat([drafts, torch.zeros(b, 1, dtype=torch.long, device=device)], dim=1)
+    return _pack(drafts, n_acc, bonus)
+
+
+def _pack(drafts: torch.Tensor, n_acc: torch.Tensor, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (accept_lens int32 [B] incl. the bonus, out_tokens [B, K+1]: accepted drafts, bonus, padding)."""
+    b, k = drafts.shape
+    col = torch.arange(k + 1, device=drafts.device).view(1, -1)
+    out = torch.cat([drafts, torch.zeros(b, 1, dtype=torch.long, device=drafts.device)], dim=1)
     out = torch.where(col < n_acc.view(-1, 1), out, torch.full_like(out, PAD_TOKEN))
-    out = out.scatter(1, n_acc.view(-1, 1), bonus.view(-1, 1))
+    out = out.scatter(1, n_acc.view(-1, 1), bonus.reshape(-1, 1))
     return (n_acc + 1).to(torch.int32), out
 
 
@@ -227,14 +233,9 @@ def verify_chain_greedy(
     argmax at the first mismatch or the cap), without the [B, K+1, V] target distributions,
     the residuals or any random draw: the worker's all-greedy rounds skip ``target_probs``.
     """
-    b, k = draft_tokens.shape
+    k = draft_tokens.shape[1]
     drafts = draft_tokens.to(device=target_argmax.device, dtype=torch.long)
     target_argmax = target_argmax.to(torch.long)
     cap = _caps(max_accept, drafts, vocab)
     n_acc = _leading_accepts(drafts == target_argmax[:, :k], cap)
-    bonus = target_argmax.gather(1, n_acc.view(-1, 1))
-    col = torch.arange(k + 1, device=drafts.device).view(1, -1)
-    out = torch.cat([drafts, torch.zeros(b, 1, dtype=torch.long, device=drafts.device)], dim=1)
-    out = torch.where(col < n_acc.view(-1, 1), out, torch.full_like(out, PAD_TOKEN))
-    out = out.scatter(1, n_acc.view(-1, 1), bonus)
-    return (n_acc + 1).to(torch.int32), out
+    return _pack(drafts, n_acc, target_argmax.gather(1, n_acc.view(-1, 1)))

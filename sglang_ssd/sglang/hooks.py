@@ -100,12 +100,7 @@ def _linear_chain_verify(backend, q, k, v, layer, forward_batch, n, save_kv_cach
     if save_kv_cache and k is not None and v is not None:
         backend.token_to_kv_pool.set_kv_buffer(
             layer, KVWriteLoc(forward_batch.out_cache_loc, backend.swa_out_cache_loc), k, v)
-    cached = getattr(forward_batch, "_saguaro_prefix_lens", None)
-    if cached is not None and cached[0] is forward_batch.seq_lens:
-        prefix = cached[1]
-    else:  # once per forward, not per layer: committed lengths (seq_lens) as host ints
-        prefix = forward_batch.seq_lens.tolist()
-        forward_batch._saguaro_prefix_lens = (forward_batch.seq_lens, prefix)
+    prefix = forward_batch.seq_lens.tolist()  # committed lengths (a CPU tensor: no device sync)
     o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
     chain_verify_attention(
         q.view(-1, layer.tp_q_head_num, layer.qk_head_dim), o.view(-1, layer.tp_q_head_num, layer.v_head_dim),

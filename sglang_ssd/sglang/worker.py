@@ -84,10 +84,7 @@ class SaguaroWorker(BaseSpecWorker):
         """Plain target prefill; the draft gets the prompts first and encodes them meanwhile (and, in
         async mode, builds round 0's speculations), so the first decode round need not wait for it."""
         if self.cfg.early_prefill:
-            info = batch.sampling_info
-            temps = info.temperatures.reshape(-1).float()
-            greedy = is_greedy(temps, info.top_ks.reshape(-1))
-            self.link.prefill_early(batch.reqs, torch.where(greedy, torch.zeros_like(temps), temps).tolist())
+            self.link.prefill_early(batch.reqs, self._draft_temps(batch.sampling_info)[2].tolist())
         result = self._target_worker.forward_batch_generation(batch)
         if self.cfg.early_prefill:
             self.link.settle_early()
@@ -110,9 +107,7 @@ class SaguaroWorker(BaseSpecWorker):
         t_start = time.perf_counter()
         reqs, bs, n = batch.reqs, len(batch.reqs), self.n
         info = batch.sampling_info
-        temps = info.temperatures.reshape(-1).float()
-        greedy = is_greedy(temps, info.top_ks.reshape(-1))
-        draft_temps = torch.where(greedy, torch.zeros_like(temps), temps)
+        temps, greedy, draft_temps = self._draft_temps(info)
 
         # 1. last round's outcome -> draft; this round's drafts <- draft (hit or backup)
         prop = self.link.speculate(reqs, draft_temps.tolist())
@@ -178,6 +173,13 @@ class SaguaroWorker(BaseSpecWorker):
             next_draft_input=self._carry(out_tokens, accept_lens, new_seq_lens),
             speculative_num_draft_tokens=n,
         )
+
+    @staticmethod
+    def _draft_temps(info):
+        """-> (temperatures [bs], greedy rows [bs], what the draft samples at: 0 on greedy rows)."""
+        temps = info.temperatures.reshape(-1).float()
+        greedy = is_greedy(temps, info.top_ks.reshape(-1))
+        return temps, greedy, torch.where(greedy, torch.zeros_like(temps), temps)
 
     def _adjust_logits(self, logits: torch.Tensor, info) -> torch.Tensor:
         """Penalties and logit_bias, applied to all n positions of a request the way SGLang's own

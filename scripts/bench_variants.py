@@ -3,7 +3,9 @@
 
 Each variant is one server (target on core 0, draft on core 1, as scripts/bench_cpu.py), measured on the same
 prompts, batch sizes and temperatures, so a hot-path change or a setting reports before/after ratios from one run.
-A variant is a name, a mode (ar / sd / ssd), optional SGLANG_SSD_CONFIG overrides and an optional target dtype:
+A variant is a name, a mode (ar / sd / ssd), optional SGLANG_SSD_CONFIG overrides, an optional target dtype and
+an optional "tree": a checkout whose sglang_ssd the variant's server and draft run (PYTHONPATH), for a
+before/after of two commits in one run (e.g. `git worktree add /tmp/before <rev>`):
 
     python scripts/bench_variants.py --name draft-dtype --batches 1 --temps 0,1 --tokens 64 \
         --variant '{"name": "ssd-f32", "mode": "ssd"}' \
@@ -46,6 +48,8 @@ def server(v: dict, k: int, workdir: str) -> SGLangServer:
         cfg = {"mode": "sync" if v["mode"] == "sd" else "async", "fan_out": 4, "draft_endpoint": endpoint,
                "stats_file": stats, "stats_interval": 100000, **v.get("config", {})}
         env["SGLANG_SSD_CONFIG"] = json.dumps(cfg)
+    if v.get("tree"):  # the server, and the draft it spawns, import sglang_ssd from that checkout
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(v["tree"]).resolve()), os.environ.get("PYTHONPATH", "")])
     srv = SGLangServer(paths.target_path(), extra, env=env, cpu_core=0, log_path=os.path.join(workdir, f"{name}.log"))
     srv.endpoint, srv.stats_path = (endpoint if v["mode"] != "ar" else None), stats
     return srv

@@ -23,9 +23,10 @@ import msgpack
 import numpy as np
 
 MAGIC = "sglang-ssd"
-PROTOCOL_VERSION = 4  # 2: Prefill carries per-request Saguaro sampling C; Hello the backup kind
+PROTOCOL_VERSION = 5  # 2: Prefill carries per-request Saguaro sampling C; Hello the backup kind
                       # 3: HelloReply says whether the session was resumed (state kept)
                       # 4: Prefill.round0: build a round-0 cache (sent while the target prefills)
+                      # 5: SpecReply.q_ids: q travels over the draft head's token ids only
 BACKUPS = ("neural", "fast", "auto")
 MAX_HEADER_BYTES = 4 << 20        # msgpack header frame
 MAX_FRAME_BYTES = 1 << 30         # any array frame (q of a large batch is the big one)
@@ -401,8 +402,10 @@ class Speculate(Message):
 
 @dataclass
 class SpecReply(Message):
-    """tokens [n, K] int64; hit [n] bool; q [m, K, V] float16 = the wire image of the proposal each
-    token was drawn from, for rows ``q_rows`` (sorted, = the rows with temperature > 0).
+    """tokens [n, K] int64; hit [n] bool; q [m, K, W] float16 = the wire image of the proposal each
+    token was drawn from, for rows ``q_rows`` (sorted, = the rows with temperature > 0), over the
+    token ids ``q_ids`` (strictly increasing, W of them; q is exactly 0 at every other id): a reduced
+    draft head's ids, sent once per reply; empty = the full vocabulary (W = V, q dense).
     The verifier must use ``dequantize_proposal(q)``: that is bit-identical to what the draft
     sampled from.  Timings in milliseconds, measured inside the draft process.
 
@@ -413,12 +416,14 @@ class SpecReply(Message):
     TYPE: ClassVar[str] = "spec_reply"
     TIMINGS: ClassVar = ("answer_ms", "backup_ms", "build_ms", "glue_ms", "tree_ms")
     HEADER: ClassVar = ("round_id",) + TIMINGS
-    ARRAYS: ClassVar = {"tokens": ("<i8", 2), "hit": ("|b1", 1), "q_rows": ("<i8", 1), "q": ("<f2", 3)}
+    ARRAYS: ClassVar = {"tokens": ("<i8", 2), "hit": ("|b1", 1), "q_rows": ("<i8", 1), "q": ("<f2", 3),
+                        "q_ids": ("<i8", 1)}
     round_id: int
     tokens: np.ndarray
     hit: np.ndarray
     q_rows: np.ndarray
     q: np.ndarray
+    q_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     answer_ms: float = 0.0     # recv -> reply ready (includes backup_ms)
     backup_ms: float = 0.0     # just-in-time decode of missed rows
     build_ms: float = 0.0      # the previous cache build (glue + fork + tree + store) ...
@@ -433,6 +438,7 @@ class SpecReply(Message):
         self.hit = np.asarray(self.hit, dtype=np.bool_)
         self.q_rows = np.asarray(self.q_rows, dtype=np.int64).reshape(-1)
         self.q = np.asarray(self.q, dtype=np.float16)
+        self.q_ids = np.asarray(self.q_ids, dtype=np.int64).reshape(-1)
         if self.tokens.ndim != 2 or self.q.ndim != 3:
             raise _fail("tokens", "tokens must be [n, K] and q [m, K, V]")
         n, k = self.tokens.shape
@@ -445,11 +451,37 @@ class SpecReply(Message):
             raise _fail("q", f"shape {self.q.shape} does not match {m} q_rows and K = {k}")
         if m and (self.q_rows.min() < 0 or self.q_rows.max() >= n or (np.diff(self.q_rows) <= 0).any()):
             raise _fail("q_rows", "must be strictly increasing row indices in [0, n)")
+        if len(self.q_ids):
+            if self.q_ids.min() < 0 or self.q_ids.max() >= MAX_VOCAB or (np.diff(self.q_ids) <= 0).any():
+                raise _fail("q_ids", "must be strictly increasing token ids in [0, MAX_VOCAB)")
+            if m and self.q.shape[2] != len(self.q_ids):
+                raise _fail("q", f"width {self.q.shape[2]} != {len(self.q_ids)} q_ids")
 
-    def q_for_row(self, row: int) -> Optional[np.ndarray]:
-        """float16 [K, V] wire q of reply row ``row``, or None for a greedy row."""
+    def q_dense(self, vocab_size: int) -> np.ndarray:
+        """q [m, K, V] float16 over the full vocabulary (zeros outside q_ids)."""
+        if not len(self.q_ids):
+            if len(self.q_rows) and self.q.shape[2] != vocab_size:
+                raise _fail("q", f"dense width {self.q.shape[2]} != vocab size {vocab_size}")
+            return self.q
+        if self.q_ids[-1] >= vocab_size:
+            raise _fail("q_ids", f"id {int(self.q_ids[-1])} >= vocab size {vocab_size}")
+        out = np.zeros(self.q.shape[:2] + (vocab_size,), dtype=np.float16)
+        out[:, :, self.q_ids] = self.q
+        return out
+
+    def q_for_row(self, row: int, vocab_size: Optional[int] = None) -> Optional[np.ndarray]:
+        """float16 [K, V] q of reply row ``row`` (scattered from q_ids when sparse: pass vocab_size), or
+        None for a greedy row."""
         pos = np.searchsorted(self.q_rows, row)
-        return self.q[pos] if pos < len(self.q_rows) and self.q_rows[pos] == row else None
+        if pos >= len(self.q_rows) or self.q_rows[pos] != row:
+            return None
+        if not len(self.q_ids):
+            return self.q[pos]
+        if vocab_size is None:
+            raise ValueError("q is sparse (over q_ids): pass vocab_size")
+        out = np.zeros((self.q.shape[1], vocab_size), dtype=np.float16)
+        out[:, self.q_ids] = self.q[pos]
+        return out
 
 
 @dataclass

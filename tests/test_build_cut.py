@@ -113,7 +113,7 @@ def test_build_cut_after_depth_d_serves_d_token_speculations(runner, depth):
         spec[r] = row[:depth]
         assert e.requests[r].last_spec == spec[r] and e.requests[r].tokens == ctx[r]
     assert reply.q_rows.tolist() == [2]
-    q = reply.q_for_row(2)
+    q = reply.q_for_row(2, V)
     assert np.array_equal(q[:depth], entries["r2"].q16[:depth].cpu().numpy()) and not q[depth:].any()
 
     # the next round builds from the short speculation: glue over [root, s_1..s_depth], forks at j <= depth
@@ -170,7 +170,7 @@ def test_cut_before_depth_1_stores_nothing_and_the_next_round_backs_up(runner, h
         if TEMPS[r] == 0:
             assert reply.tokens[i].tolist() == greedy_reference(runner, start, K)
         else:
-            check_q(runner, start, reply.tokens[i].tolist(), reply.q_for_row(i), TEMPS[r])
+            check_q(runner, start, reply.tokens[i].tolist(), reply.q_for_row(i, V), TEMPS[r])
     e.max_build_depth = None
     e.build_cache()  # and the round after is built in full again
     assert e.stats.builds_cut == 1 and all(e.cache.keys(r) for r in RIDS)
@@ -180,9 +180,9 @@ def test_server_answers_a_speculate_that_arrives_mid_build_at_once(model_dir, mo
     runner = DraftRunner.from_dir(model_dir)
     real = runner.forward
 
-    def slow(items):  # every forward takes >= 0.3 s: a full build (glue + K depths) >= 1.2 s
+    def slow(items, **kw):  # every forward takes >= 0.3 s: a full build (glue + K depths) >= 1.2 s
         time.sleep(0.3)
-        return real(items)
+        return real(items, **kw)
 
     monkeypatch.setattr(runner, "forward", slow)
     server = DraftServer(DraftEngine(runner, build_chunk_tokens=0), f"ipc:///tmp/sglang-ssd-test-{uuid.uuid4().hex}.sock")

@@ -25,7 +25,7 @@ from sglang_ssd.protocol import (PROTOCOL_VERSION, Health, HealthReply, Hello, P
                                  decode)
 from sglang_ssd.saguaro.proposal import dequantize_proposal
 from sglang_ssd.saguaro.saguaro_sampling import saguaro_probs
-from tests.tiny_models import greedy_reference, make_tiny_model, next_logits
+from tests.tiny_models import greedy_reference, make_reduced_head_model, make_tiny_model, next_logits
 
 torch.set_num_threads(1)
 
@@ -161,7 +161,7 @@ def test_async_sampled_q_matches_sequential_softmax(runner):
         assert reply.q_rows.tolist() == [0, 1]
         for i, r in enumerate(rids):
             if temps[r] > 0:
-                check_q(runner, t.ctx[r], t.spec[r], reply.q_for_row(i), temps[r])
+                check_q(runner, t.ctx[r], t.spec[r], reply.q_for_row(i, V), temps[r])
             else:
                 assert t.spec[r] == greedy_reference(runner, t.ctx[r], K)
         n_hit += int(reply.hit[:2].sum())
@@ -190,7 +190,7 @@ def test_saguaro_sampling_q_is_sigma_of_softmax_on_every_path(runner):
         for i, r in enumerate(rids):
             fs = FAN if reply.hit[i] else FAN_MISS
             seen.add(bool(reply.hit[i]))
-            check_q(runner, t.ctx[r], t.spec[r], reply.q_for_row(i), temps[r], fs, cs[r])
+            check_q(runner, t.ctx[r], t.spec[r], reply.q_for_row(i, V), temps[r], fs, cs[r])
             for j, b in e.cache.keys(r):
                 entry = e.cache.peek(r, j, b)
                 check_q(runner, t.ctx[r] + t.spec[r][:j] + [b], entry.tokens.tolist(), entry.q16, temps[r],
@@ -218,7 +218,7 @@ def test_sync_mode_is_plain_sd(runner):
             if temps[r] == 0:
                 assert t.spec[r] == greedy_reference(runner, t.ctx[r], K)
             else:
-                check_q(runner, t.ctx[r], t.spec[r], reply.q_for_row(i), 1.0)
+                check_q(runner, t.ctx[r], t.spec[r], reply.q_for_row(i, V), 1.0)
         outcomes = {r: (rng.randint(-1, K), rng.randrange(V)) for r in PROMPTS}
     assert e.health()["backup_rows"] == 12
 
@@ -383,7 +383,7 @@ def _remote_rounds(runner, client, temps: dict[str, float], rounds: int, mode: s
             if temps[r] == 0:
                 assert spec[r] == greedy_reference(runner, ctx[r], K), (rnd, r)
             else:
-                check_q(runner, ctx[r], spec[r], reply.q_for_row(i), temps[r])
+                check_q(runner, ctx[r], spec[r], reply.q_for_row(i, V), temps[r])
         # next outcome: alternate "all accepted" (bonus = top-1 after s_K) and "reject at j = 0"
         # (bonus = best token other than s_1) -- both among the cached guesses
         ks, bonuses = [], []
@@ -485,6 +485,44 @@ def test_client_fails_at_once_when_the_draft_is_gone(tmp_path):
             client.health()
 
 
+def test_reduced_head_q_travels_over_the_head_ids_and_equals_the_dense_law():
+    """A draft whose head covers 40 of the 96 ids (rows stored unsorted): sampling, cache storage and the
+    wire carry q over those ids only (q_ids = the sorted head ids, width 40); scattered back it equals the
+    sequential softmax over the full vocabulary (zero elsewhere), for cache hits and backups.  A fast
+    backup's row may copy an id outside the head: that reply goes dense."""
+    head = random.Random(5).sample(range(V), 40)
+    runner = DraftRunner.from_dir(make_reduced_head_model(head, vocab_size=V, seed=3))
+    assert runner.n_cols == 40 and runner.cols.tolist() == sorted(head)
+    temps = {"r0": 1.0, "r1": 0.7, "r2": 0.0}
+    e = DraftEngine(runner, seed=2)
+    e.hello(Hello(PROTOCOL_VERSION, "t", K, "async", FAN, V, [1]))
+    t = Target(e, temps)
+    rng = random.Random(2)
+    outcomes = {r: (-1, 3) for r in PROMPTS}
+    hits = 0
+    for rnd in range(5):
+        rids, reply = t.step(outcomes)
+        assert reply.q_ids.tolist() == sorted(head) and reply.q.shape == (2, K, 40)
+        for i, r in enumerate(rids):
+            assert set(t.spec[r]) <= set(head)
+            if temps[r] > 0:
+                check_q(runner, t.ctx[r], t.spec[r], reply.q_for_row(i, V), temps[r])
+            else:
+                assert t.spec[r] == greedy_reference(runner, t.ctx[r], K)
+        hits += int(reply.hit.sum())
+        for r in rids:
+            for j, b in e.cache.keys(r):
+                entry = e.cache.peek(r, j, b)
+                assert entry.q16 is None if temps[r] == 0 else entry.q16.shape == (K, 40)
+        outcomes = {r: pick_outcome(rng, e, r, t.spec[r], "hit" if rnd % 2 == 0 else "miss")[0] for r in rids}
+    assert hits >= 3
+    e2 = DraftEngine(runner, seed=2)
+    e2.hello(Hello(PROTOCOL_VERSION, "t", K, "sync", FAN, V, [1], None, "fast"))
+    t2 = Target(e2, {"r0": 1.0, "r1": 0.0, "r2": 1.0})
+    _, reply = t2.step({r: (-1, PROMPTS[r][1]) for r in PROMPTS})
+    assert len(reply.q_ids) == 0 and reply.q.shape == (2, K, V)
+
+
 def test_fast_backup_proposes_ngram_copies_with_their_true_q(runner):
     """backup='fast': missed rows get prompt-lookup copies (one-hot q) or uniform random tokens (uniform q),
     no draft forward on the critical path; 'auto' starts neural at batch 1."""
@@ -501,7 +539,7 @@ def test_fast_backup_proposes_ngram_copies_with_their_true_q(runner):
         want, is_random = NgramSpeculator(4, 1).propose(t.ctx[r], K, V)
         got = t.spec[r]
         assert [g for g, rnd in zip(got, is_random) if not rnd] == [w for w, rnd in zip(want, is_random) if not rnd]
-        q = reply.q_for_row(i)
+        q = reply.q_for_row(i, V)
         if temps[r] == 0:
             assert q is None
             continue

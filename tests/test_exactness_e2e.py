@@ -11,18 +11,21 @@ Path "hit" (async, fan-out covering every outcome): every round from step 3 on c
 on x1 only, so the conditional law of (x2, x3) given x1 is unaffected).  Path "backup": sync mode, every
 round drafted just in time by the draft model.  Path "fast": sync mode with the n-gram / random-token
 backup (one-hot / uniform proposal rows).  Path "cut": as "hit", but every cache build stops after depth 1,
-so every hit is a 1-token speculation padded with -1.  Path "saguaro": C = 0.5 with top-2 fan-out (sigma needs F < V), so cache hits
+so every hit is a 1-token speculation padded with -1.  Path "reduced": as "hit" with a draft whose head covers
+6 of the 8 ids (q exactly 0 on the other two, sent sparse over the head's ids; a bonus outside the head is
+never cached, so hits and backups mix).  Path "saguaro": C = 0.5 with top-2 fan-out (sigma needs F < V), so cache hits
 and backup rounds mix; every sample is kept.
 For each x1, the counts of (x2, x3) are compared with the exact target law by enumeration (G-test, cells
 with expected count < 5 pooled); the G statistics and degrees of freedom add up over x1.  Seeds are fixed.
 Negative controls: the same test must reject a verifier that uses the unmodified q with Saguaro sampling,
-and one that accepts sampled drafts greedily.
+one that accepts sampled drafts greedily, and one that scatters a sparse q to the wrong ids.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,7 +35,7 @@ from sglang_ssd.protocol import PROTOCOL_VERSION, Hello, Prefill, Speculate
 from sglang_ssd.saguaro.proposal import dequantize_proposal
 from sglang_ssd.saguaro.target_dist import target_probs
 from sglang_ssd.saguaro.verify import verify_chain
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import make_reduced_head_model, make_tiny_model
 
 V, K = 8, 2
 PROMPT = [3, 5, 2, 6]
@@ -45,7 +48,11 @@ def pair():
     torch.set_num_threads(1)
     target = DraftRunner.from_dir(make_tiny_model(vocab_size=V, seed=21, std=0.2))
     draft = DraftRunner.from_dir(make_tiny_model(vocab_size=V, seed=22, std=0.2))
-    return target, draft
+    reduced = DraftRunner.from_dir(make_reduced_head_model(REDUCED_HEAD, vocab_size=V, seed=22, std=0.2))
+    return target, draft, reduced
+
+
+REDUCED_HEAD = [6, 0, 3, 1, 7, 4]  # unsorted on purpose: the runner sorts its columns by id
 
 
 def _probs(runner, contexts: list[list[int]], n_last: int, temp: float) -> torch.Tensor:
@@ -70,7 +77,7 @@ def exact_conditional(target, temp: float) -> torch.Tensor:
 
 def run(pair, path: str, temp: float, seed: int, broken: str = "") -> tuple[torch.Tensor, float]:
     """-> counts [V, V, V] of (x1, x2, x3) over the kept samples, and the fraction of rounds that hit."""
-    target, draft = pair
+    target, draft = pair[0], pair[2] if path == "reduced" else pair[1]
     mode = "sync" if path in ("backup", "fast") else "async"
     full = [V] * (K + 1)                 # every outcome cached (forks cap at V - 1 where s_{j+1} is excluded)
     c = 0.5 if path == "saguaro" else 1.0
@@ -79,6 +86,7 @@ def run(pair, path: str, temp: float, seed: int, broken: str = "") -> tuple[torc
     # path "cut": every build stops after depth 1 (as when the next Speculate arrives mid-build), so each
     # hit is a 1-token speculation padded with -1 (max_accept 1)
     e = DraftEngine(draft, seed=seed, max_batch=N, max_build_depth=1 if path == "cut" else None)
+    n_cols = draft.n_cols
     e.hello(Hello(PROTOCOL_VERSION, "stat", K, mode, full, V, [], full, "fast" if path == "fast" else "neural"))
     rids = [f"r{i}" for i in range(N)]
     e.prefill(Prefill(rids, [PROMPT[:-1]] * N, [temp] * N, [c] * N))
@@ -107,7 +115,12 @@ def run(pair, path: str, temp: float, seed: int, broken: str = "") -> tuple[torc
         rounds += len(live)
         drafts = torch.as_tensor(reply.tokens)
         q = torch.zeros(len(live), K, V, dtype=torch.float16)
-        q[torch.as_tensor(reply.q_rows)] = torch.as_tensor(reply.q)
+        assert reply.q.shape[2] == n_cols and (path != "reduced" or reply.q_ids.tolist() == sorted(REDUCED_HEAD))
+        q[torch.as_tensor(reply.q_rows)] = torch.as_tensor(reply.q_dense(V))
+        if broken == "misplaced_ids":    # scatter the sparse q to the head's ids rotated by one
+            q = torch.zeros_like(q)
+            q[torch.as_tensor(reply.q_rows)[:, None, None], torch.arange(K)[None, :, None],
+              torch.as_tensor(np.roll(reply.q_ids, 1))[None, None, :]] = torch.as_tensor(reply.q)
         if broken == "plain_q":          # forget sigma: verify against softmax of the draft's own logits
             q = torch.stack([_probs(draft, [ctx[r] + drafts[i, :K - 1].tolist()], K, temp)[0]
                              for i, r in enumerate(live)]).half()
@@ -163,13 +176,16 @@ def chi2_sf(x: float, k: int) -> float:
 
 
 @pytest.mark.parametrize("path, temp", [("hit", 1.0), ("hit", 0.7), ("backup", 1.0), ("backup", 0.7), ("fast", 1.0),
-                                         ("saguaro", 1.0), ("saguaro", 0.7), ("cut", 1.0), ("cut", 0.7)])
+                                         ("saguaro", 1.0), ("saguaro", 0.7), ("cut", 1.0), ("cut", 0.7),
+                                         ("reduced", 1.0), ("reduced", 0.7)])
 def test_output_law_is_the_targets(pair, path, temp):
     counts, hit_rate = run(pair, path, temp, seed=7)
     if path in ("backup", "fast"):
         assert hit_rate == 0.0
     elif path in ("hit", "cut"):
         assert hit_rate > 0.85, hit_rate    # the path under test really is the cache
+    elif path == "reduced":
+        assert 0.15 < hit_rate < 0.98, hit_rate  # bonuses outside the head miss
     else:
         assert 0.2 < hit_rate < 0.95, hit_rate  # sigma on both cached and backup speculations
     assert counts.sum() > 0.75 * N
@@ -177,7 +193,8 @@ def test_output_law_is_the_targets(pair, path, temp):
     assert p > P_MIN, f"{path} T={temp}: G-test p = {p:.2e}"
 
 
-@pytest.mark.parametrize("broken, path", [("plain_q", "saguaro"), ("greedy_accept", "hit")])
+@pytest.mark.parametrize("broken, path", [("plain_q", "saguaro"), ("greedy_accept", "hit"),
+                                          ("misplaced_ids", "reduced")])
 def test_negative_controls_are_detected(pair, broken, path):
     counts, _ = run(pair, path, 1.0, seed=7, broken=broken)
     p = g_test(counts, exact_conditional(pair[0], 1.0))

@@ -64,7 +64,30 @@ def test_spec_reply_arrays_and_q_lookup():
     assert r.tokens.flags.writeable and r.q.flags.writeable
     assert np.array_equal(r.q_for_row(2), r.q[1]) and r.q_for_row(1) is None
     frames = _reply().encode()
-    assert len(frames) == 5 and len(frames[4]) == 2 * 4 * 11 * 2
+    assert len(frames) == 6 and len(frames[4]) == 2 * 4 * 11 * 2 and len(frames[5]) == 0  # dense: no q_ids
+
+
+def test_spec_reply_sparse_q_over_head_ids():
+    """q over a reduced head's ids: the ids travel once, values per row; q_dense / q_for_row scatter to V."""
+    rng = np.random.default_rng(1)
+    ids = np.array([0, 3, 4, 9], dtype=np.int64)
+    q = rng.random((2, 4, 4)).astype(np.float16)
+    r = decode([bytes(f) for f in SpecReply(round_id=1, tokens=np.zeros((3, 4)), hit=np.zeros(3, bool),
+                                            q_rows=np.array([0, 2]), q=q, q_ids=ids).encode()])
+    assert np.array_equal(r.q_ids, ids) and r.q.shape == (2, 4, 4)
+    dense = r.q_dense(11)
+    assert dense.shape == (2, 4, 11) and np.array_equal(dense[:, :, ids], q)
+    assert not np.delete(dense, ids, axis=2).any()
+    assert np.array_equal(r.q_for_row(2, 11), dense[1]) and r.q_for_row(1, 11) is None
+    with pytest.raises(ValueError, match="vocab_size"):
+        r.q_for_row(0)
+    with pytest.raises(ProtocolError, match="vocab size"):
+        r.q_dense(9)                                      # id 9 is outside a 9-token vocabulary
+    for bad, match in ((np.array([0, 4, 3, 9]), "q_ids"), (np.array([-1, 3, 4, 9]), "q_ids"),
+                       (np.array([0, 3, 4]), "width")):
+        with pytest.raises(ProtocolError, match=match):
+            SpecReply(round_id=1, tokens=np.zeros((3, 4)), hit=np.zeros(3, bool), q_rows=np.array([0, 2]), q=q,
+                      q_ids=bad).encode()
 
 
 def test_wrong_class_decode():

@@ -88,6 +88,25 @@ def make_tiny_model(path: Optional[str] = None, kind: str = "llama", vocab_size:
     return out
 
 
+def make_reduced_head_model(head_ids: list[int], vocab_size: int = 96, seed: int = 0, std: float = 0.3) -> str:
+    """A random draft checkpoint with an sglang-ssd reduced head: lm_head rows for `head_ids` only (in the
+    given order, which need not be sorted), config `ssd_head_vocab`; every other id has probability 0."""
+    key = ("reduced", tuple(head_ids), vocab_size, seed, std)
+    if key in _MADE and os.path.isdir(_MADE[key]):
+        return _MADE[key]
+    cfg = tiny_hf_config("llama", vocab_size, ssd_head_vocab=len(head_ids))
+    sd = random_state_dict(cfg, seed, std)
+    sd["lm_head.weight"] = sd["lm_head.weight"][: len(head_ids)].clone()
+    sd["head_ids"] = torch.as_tensor(head_ids, dtype=torch.long)
+    out = os.path.join(_root(), f"reduced-v{vocab_size}-h{len(head_ids)}-s{seed}-{len(_MADE)}")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "config.json"), "w") as fh:
+        json.dump(cfg, fh, indent=1)
+    save_file(sd, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    _MADE[key] = out
+    return out
+
+
 def load_hf(path: str):
     """The same checkpoint through transformers (eager attention, fp32) -- the reference."""
     from transformers import AutoModelForCausalLM

@@ -111,11 +111,11 @@ def build_cache(e: "DraftEngine", should_stop: Optional[Callable[[], bool]] = No
         st.begin_write(start)
         items.append(ForwardItem.extend(st.kv, seq[start:], start, n_logits))
         reuse.append(jit)
-    outs = e.runner.forward(items)
+    outs = e.runner.forward(items, cols=True)
     glue = []
     for (st, _), it, jit, out in zip(pending, items, reuse, outs):
         st.end_write(it.tokens.tolist())
-        glue.append(out if jit is None else torch.cat([jit, out]))  # [d+1, V]
+        glue.append(out if jit is None else torch.cat([jit, out]))  # [d+1, W] over the runner's columns
     t_glue = _ms(t0)
     if limit == 0 or stop():
         _record(e, t0, t_glue, 0.0, cut_depth=0)
@@ -128,13 +128,14 @@ def build_cache(e: "DraftEngine", should_stop: Optional[Callable[[], bool]] = No
         d = len(st.last_spec)
         fan = s.fan_out if st.last_hit else s.fan_out_miss
         fan = list(fan[:d]) + [max(fan[d:])]
-        fan = [min(f, e.runner.vocab_size - (1 if j < d else 0)) for j, f in enumerate(fan)]
+        fan = [min(f, e.runner.n_cols - (1 if j < d else 0)) for j, f in enumerate(fan)]
         if sum(fan) == 0:
             continue
         z = z.clone()
-        if d:
-            z[torch.arange(d), torch.as_tensor(st.last_spec, device=z.device)] = -torch.inf
-        top = torch.topk(z, max(fan), dim=-1).indices.cpu()            # [d+1, maxF]
+        if d:  # s_{j+1} (a column unless a fast backup copied a token the head does not cover)
+            c = e.runner.to_cols(torch.as_tensor(st.last_spec, device=z.device))
+            z[torch.arange(d, device=z.device)[c >= 0], c[c >= 0]] = -torch.inf
+        top = e.runner.to_tokens(torch.topk(z, max(fan), dim=-1).indices).cpu()  # [d+1, maxF] token ids
         guesses = torch.cat([top[j, :f] for j, f in enumerate(fan)])   # fork-index-major
         plans.append((st, fork_indices(fan), guesses, fan))
 
@@ -154,10 +155,11 @@ def build_cache(e: "DraftEngine", should_stop: Optional[Callable[[], bool]] = No
 
 
 def _decode_tree(e: "DraftEngine", plans, k_spec: int, limit: int, stop: Callable[[], bool]):
-    """-> per plan (tokens [B, K] long, PAD-padded; q16 [B, K, V] or None; depths done)."""
+    """-> per plan (tokens [B, K] long, PAD-padded; q16 [B, K, W] over the runner's columns or None;
+    depths done)."""
     if not plans:
         return []
-    v = e.runner.vocab_size
+    v = e.runner.n_cols
     inputs = [g for _, _, g, _ in plans]
     sizes = [len(g) for g in inputs]
     toks = [torch.full((n, k_spec), PAD, dtype=torch.long) for n in sizes]
@@ -175,10 +177,11 @@ def _decode_tree(e: "DraftEngine", plans, k_spec: int, limit: int, stop: Callabl
                 items.append(ForwardItem(st.kv, inputs[r], tree_positions(p, forks, d),
                                          tree_slots(p, k_spec, b, d), tree_kv_len(p, k_spec, b, d),
                                          tree_mask(p, k_spec, forks, d), b))
-            logits = torch.cat(e.runner.forward(items))
+            logits = torch.cat(e.runner.forward(items, cols=True))
             temps = torch.cat([torch.full((sizes[r],), plans[r][0].temperature) for r in chunk])
             cs = torch.cat([torch.full((sizes[r],), plans[r][0].saguaro_c) for r in chunk])
-            tok, q = sample_rows(logits, temps, e.gen, torch.full((len(temps),), fan[d]), cs, e.runner.support)
+            tok, q = sample_rows(logits, temps, e.gen, torch.full((len(temps),), fan[d]), cs)
+            tok = e.runner.to_tokens(tok)
             csizes = [sizes[r] for r in chunk]
             outs = torch.split(tok.cpu(), csizes)
             qs = torch.split(q, csizes) if q is not None else [None] * len(chunk)

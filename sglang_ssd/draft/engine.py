@@ -177,7 +177,7 @@ class DraftEngine:
             for st in batch:
                 st.begin_write(start)
                 items.append(ForwardItem.extend(st.kv, st.tokens[start : start + PREFILL_CHUNK], start))
-            self.runner.forward(items)
+            self.runner.forward(items, cols=True)
             for st, it in zip(batch, items):
                 st.end_write(it.tokens.tolist())
         for st in states:  # an empty proposal: the first round reports k = 0 and the first sampled token
@@ -261,9 +261,7 @@ class DraftEngine:
         if s.mode == "async":
             self.pending = [(st, jit_logits.get(i)) for i, st in enumerate(states)]
         q_rows = [i for i in range(n) if msg.temperatures[i] > 0]
-        v = self.runner.vocab_size
-        q = (torch.stack([q16[i] for i in q_rows]).cpu().numpy() if q_rows
-             else np.zeros((0, k_spec, v), dtype=np.float16))
+        q, q_ids = self._wire_q([q16[i] for i in q_rows], k_spec)
         st_ = self.stats
         st_.rounds += 1
         st_.rows += n
@@ -272,16 +270,40 @@ class DraftEngine:
         answer_ms = _ms(t0)
         st_.answer_ms += answer_ms
         return SpecReply(round_id=msg.round_id, tokens=tokens.numpy(), hit=hit,
-                         q_rows=np.asarray(q_rows, dtype=np.int64), q=q, answer_ms=answer_ms,
+                         q_rows=np.asarray(q_rows, dtype=np.int64), q=q, q_ids=q_ids, answer_ms=answer_ms,
                          backup_ms=backup_ms, **st_.last)
+
+    def _wire_q(self, rows: list[torch.Tensor], k_spec: int) -> tuple[np.ndarray, np.ndarray]:
+        """The reply's q rows -> (q [m, K, W] float16, q_ids): over the head's own ids when every row is in
+        the column space (cache entries, neural backups); dense over V when a fast backup's row is
+        (its copies may be ids the head does not cover), the column rows scattered to V."""
+        cols, v = self.runner.cols, self.runner.vocab_size
+        if not rows:
+            w = v if cols is None else int(cols.numel())
+            return np.zeros((0, k_spec, w), dtype=np.float16), self._q_ids()
+        if cols is None or all(r.shape[-1] == cols.numel() for r in rows):
+            return torch.stack(rows).cpu().numpy(), self._q_ids()
+        dense = []
+        for r in rows:
+            if r.shape[-1] != v:
+                r = torch.zeros(k_spec, v, dtype=r.dtype, device=r.device).index_copy_(1, cols, r)
+            dense.append(r)
+        return torch.stack(dense).cpu().numpy(), np.zeros(0, dtype=np.int64)
+
+    def _q_ids(self) -> np.ndarray:
+        if self.runner.cols is None:
+            return np.zeros(0, dtype=np.int64)
+        if getattr(self, "_q_ids_np", None) is None:
+            self._q_ids_np = self.runner.cols.cpu().numpy().astype(np.int64)
+        return self._q_ids_np
 
     def _decode_backup(self, states: Sequence[RequestState], keep_logits: bool = True):
         """Just-in-time K-token decode from each state's context, batched across rows.
 
-        -> tokens [m, K], q16 [m, K, V] or None, raw logits [m, K, V] (reused as glue rows 0..K-1;
-        None unless keep_logits)."""
+        -> tokens [m, K], q16 [m, K, W] or None, raw logits [m, K, W] (reused as glue rows 0..K-1;
+        None unless keep_logits); W = the runner's column space (a reduced head's own ids, or V)."""
         k_spec = self.session.k
-        m, v = len(states), self.runner.vocab_size
+        m, v = len(states), self.runner.n_cols
         temps = [st.temperature for st in states]
         cs = [st.saguaro_c for st in states]
         # a backup-drafted speculation is cached next round with fan_out_miss: s_{t+1} is down-weighted
@@ -296,10 +318,11 @@ class DraftEngine:
             st.begin_write(start)
             items.append(ForwardItem.extend(st.kv, st.tokens[start:], start))
         for t in range(k_spec):
-            logits = torch.cat(self.runner.forward(items))
+            logits = torch.cat(self.runner.forward(items, cols=True))
             for st, it in zip(states, items):
                 st.end_write(it.tokens.tolist())
-            tok, q = sample_rows(logits, temps, self.gen, [fan_miss[t]] * m, cs, self.runner.support)
+            tok, q = sample_rows(logits, temps, self.gen, [fan_miss[t]] * m, cs)
+            tok = self.runner.to_tokens(tok)
             toks[:, t] = tok.cpu()
             if raw is not None:
                 raw[:, t] = logits

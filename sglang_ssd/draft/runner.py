@@ -70,6 +70,17 @@ class DraftRunner:
         self.dtype = model.model.embed_tokens.weight.dtype
         self.forward_calls = 0
         self.forward_tokens = 0
+        # column space: a reduced head's rows sorted by token id once (so column order = id order and
+        # argmax ties break as over the full vocabulary); cols[c] = token id of column c
+        self.cols = self._col_of = None
+        if getattr(model, "head_ids", None) is not None:
+            order = model.head_ids.argsort()
+            with torch.no_grad():
+                model.lm_head.weight.copy_(model.lm_head.weight[order])
+                model.head_ids.copy_(model.head_ids[order])
+            self.cols = model.head_ids.to(self.device)
+            self._col_of = torch.full((self.cfg.vocab_size,), -1, dtype=torch.long, device=self.device)
+            self._col_of[self.cols] = torch.arange(self.cols.numel(), device=self.device)
         self.backend = select_backend(self.device, attention, self.dtype)
         self.pool = self.workspace = self.graphs = None
         if self.backend == "flashinfer":  # GPU only (UNVERIFIED on hardware: see flashinfer_attention.py)
@@ -96,12 +107,20 @@ class DraftRunner:
     @property
     def support(self) -> Optional[torch.Tensor]:
         """Token ids a reduced head covers (sorted; q is exactly 0 elsewhere), None for a full head."""
-        ids = getattr(self.model, "head_ids", None)
-        if ids is None:
-            return None
-        if getattr(self, "_support", None) is None or self._support.numel() != ids.numel():
-            self._support = ids.sort().values.to(self.device)
-        return self._support
+        return self.cols
+
+    @property
+    def n_cols(self) -> int:
+        """Width of the column space the hot path works in: the head's own ids (reduced head) or V."""
+        return self.vocab_size if self.cols is None else int(self.cols.numel())
+
+    def to_tokens(self, cols: torch.Tensor) -> torch.Tensor:
+        """Column indices (any shape) -> vocabulary token ids."""
+        return cols if self.cols is None else self.cols[cols.to(self.cols.device)]
+
+    def to_cols(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Vocabulary token ids -> column indices, -1 for ids the head does not cover."""
+        return tokens if self._col_of is None else self._col_of[tokens.to(self._col_of.device)]
 
     def new_kv(self, capacity: int = 64):
         """A request's KV: pool pages on the FlashInfer path, else its own RequestKV tensors."""
@@ -111,8 +130,9 @@ class DraftRunner:
         return RequestKV(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, capacity)
 
     @torch.no_grad()
-    def forward(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:
-        """-> per item float32 logits [n_logits, V] of its last n_logits rows."""
+    def forward(self, items: Sequence[ForwardItem], cols: bool = False) -> list[torch.Tensor]:
+        """-> per item float32 logits [n_logits, V] of its last n_logits rows; cols=True: over the column
+        space instead ([n_logits, n_cols]; a reduced head's own ids, never scattered to V)."""
         if not items:
             return []
         for it in items:
@@ -130,7 +150,8 @@ class DraftRunner:
             q = len(it.tokens)
             rows.append(torch.arange(off + q - it.n_logits, off + q))
             off += q
-        logits = self.model.logits(hidden[torch.cat(rows).to(dev)])
+        h = hidden[torch.cat(rows).to(dev)]
+        logits = self.model.head_logits(h) if cols else self.model.logits(h)
         self.forward_calls += 1
         self.forward_tokens += off
         return list(torch.split(logits, [it.n_logits for it in items]))

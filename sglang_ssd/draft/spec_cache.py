@@ -16,14 +16,14 @@ import torch
 @dataclass
 class CachedSpec:
     tokens: torch.Tensor             # [K] long
-    q16: Optional[torch.Tensor]      # [K, V] float16 wire q, None for greedy
+    q16: Optional[torch.Tensor]      # [K, W] float16 wire q over the draft's columns (W = V for a full head), None for greedy
 
 
 @dataclass
 class _Round:
     index: dict[tuple[int, int], int]   # (k, bonus) -> branch row
     tokens: torch.Tensor                # [B, K]
-    q16: Optional[torch.Tensor]         # [B, K, V]
+    q16: Optional[torch.Tensor]         # [B, K, W]
     temperature: float
 
 

@@ -278,11 +278,13 @@ class DraftLink:
             q_valid = torch.zeros(bs, dtype=torch.bool)
             q_valid[q_rows] = True
             q16 = None
-            if q_rows.numel():
-                if tuple(reply.q.shape) != (q_rows.numel(), self.k, self.vocab_size):
+            if q_rows.numel():  # sparse q (the head's ids once, values per row) scattered to the vocabulary
+                q = torch.from_numpy(reply.q_dense(self.vocab_size))
+                if tuple(q.shape) != (q_rows.numel(), self.k, self.vocab_size):
                     raise ValueError(f"draft sent q of shape {tuple(reply.q.shape)}")
-                q16 = torch.zeros(bs, self.k, self.vocab_size, dtype=torch.float16)
-                q16[q_rows] = torch.from_numpy(reply.q)
+                q16 = q if q_rows.numel() == bs else torch.zeros(bs, self.k, self.vocab_size, dtype=torch.float16)
+                if q16 is not q:
+                    q16[q_rows] = q
             hit = torch.as_tensor(reply.hit, dtype=torch.bool).reshape(bs)
             for r, row, n, known in zip(reqs, tokens.tolist(), max_accept.tolist(), knowns):
                 self.states[r.rid] = _ReqState(spec=row[:n], known_len=known)  # only what may be accepted

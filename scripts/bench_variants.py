@@ -3,7 +3,8 @@
 
 Each variant is one server (target on core 0, draft on core 1, as scripts/bench_cpu.py), measured on the same
 prompts, batch sizes and temperatures, so a hot-path change or a setting reports before/after ratios from one run.
-A variant is a name, a mode (ar / sd / ssd), optional SGLANG_SSD_CONFIG overrides, an optional target dtype and
+A variant is a name, a mode (ar / sd / ssd), optional SGLANG_SSD_CONFIG overrides ("config"), environment
+variables for its server and draft ("env"), an optional target dtype and
 an optional "tree": a checkout whose sglang_ssd the variant's server and draft run (PYTHONPATH), for a
 before/after of two commits in one run (e.g. `git worktree add /tmp/before <rev>`):
 
@@ -11,13 +12,16 @@ before/after of two commits in one run (e.g. `git worktree add /tmp/before <rev>
         --variant '{"name": "ssd-f32", "mode": "ssd"}' \
         --variant '{"name": "ssd-bf16", "mode": "ssd", "config": {"draft_dtype": "bfloat16"}}'
 
-Writes results/variants_<name>.{json,md} (per variant and cell: tok/s, accept length, hit rate and the round's
-time split; ratios against the first variant of each mode and against AR when an AR variant is given).
+All variants' servers stay up for the whole run and every cell runs on each variant in turn (ABBA order over
+repeats), so slow drift of the machine hits every variant alike. Writes results/variants_<name>.{json,md}
+(per variant and cell, medians over repeats: tok/s, accept length, hit rate and the round's time split; per
+repeat ratios against the first variant of each mode and against AR when an AR variant is given).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -48,6 +52,7 @@ def server(v: dict, k: int, workdir: str) -> SGLangServer:
         cfg = {"mode": "sync" if v["mode"] == "sd" else "async", "fan_out": 4, "draft_endpoint": endpoint,
                "stats_file": stats, "stats_interval": 100000, **v.get("config", {})}
         env["SGLANG_SSD_CONFIG"] = json.dumps(cfg)
+    env.update(v.get("env", {}))  # e.g. a draft knob such as SGLANG_SSD_BUILD_BUDGET (the draft inherits it)
     if v.get("tree"):  # the server, and the draft it spawns, import sglang_ssd from that checkout
         env["PYTHONPATH"] = os.pathsep.join([str(Path(v["tree"]).resolve()), os.environ.get("PYTHONPATH", "")])
     srv = SGLangServer(paths.target_path(), extra, env=env, cpu_core=0, log_path=os.path.join(workdir, f"{name}.log"))
@@ -55,28 +60,58 @@ def server(v: dict, k: int, workdir: str) -> SGLangServer:
     return srv
 
 
+def _median(xs: list) -> float:
+    xs = sorted(x for x in xs if isinstance(x, (int, float)))
+    if not xs:
+        return float("nan")
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+def summary(state: dict) -> dict:
+    """(variant, T, b) -> medians over repeats of each column (and the ratio of tok/s per repeat)."""
+    out = {}
+    for v in state["variants"]:
+        for key in sorted({(c["temperature"], c["batch"]) for c in state["cells"].values()}):
+            runs = [c for c in state["cells"].values()
+                    if c["variant"] == v["name"] and (c["temperature"], c["batch"]) == key]
+            if runs:
+                out[(v["name"], *key)] = {col: _median([r.get(col) for r in runs]) for col in COLUMNS}
+                out[(v["name"], *key)]["runs"] = runs
+    return out
+
+
 def report(state: dict) -> str:
     lines = [f"# Variants: {state['name']}", "",
              f"{state['machine']['cpu']}, {state['machine']['cores']} cores; torch {state['machine']['torch']}, "
              f"SGLang {state['machine']['sglang']}. Target on core 0, draft on core 1; K = {state['k']}, "
-             f"{state['tokens']} tokens per request (EOS ignored); one server per variant, the same prompts for "
-             f"every variant (scripts/bench_variants.py, one run).", "",
-             "| variant | mode | T | b | " + " | ".join(COLUMNS) + " | vs first of mode | vs AR |",
+             f"{state['tokens']} tokens per request (EOS ignored). Every variant's server is up for the whole run "
+             f"and each cell runs on every variant in turn, repeat after repeat (other servers idle meanwhile), "
+             f"so drift of the machine hits all variants alike; medians over {state['repeats']} repeat(s) "
+             f"(repeat r uses bench_cpu's prompts of repeat r) (scripts/bench_variants.py).", "",
+             "| variant | mode | T | b | " + " | ".join(COLUMNS) + " | vs first of mode [min-max] | vs AR |",
              "|---|---|---|---|" + "---|" * (len(COLUMNS) + 2)]
-    variants = state["variants"]
+    summ = summary(state)
     for key in sorted({(c["temperature"], c["batch"]) for c in state["cells"].values()}):
         firsts, ar = {}, None
-        for v in variants:
-            c = state["cells"].get(f"{v['name']}|{key[0]}|{key[1]}")
-            if c is None:
+        for v in state["variants"]:
+            m = summ.get((v["name"], *key))
+            if m is None:
                 continue
-            if v["mode"] == "ar":
-                ar = ar or c["tok_s"]
-            first = firsts.setdefault(v["mode"], c["tok_s"])
-            vals = [str(c.get(col, "-")) for col in COLUMNS]
+            if v["mode"] == "ar" and ar is None:
+                ar = v["name"]
+            first = firsts.setdefault(v["mode"], v["name"])
+            per_rep = {r["rep"]: r["tok_s"] for r in m["runs"]}
+            base = {r["rep"]: r["tok_s"] for r in summ[(first, *key)]["runs"]}
+            ratios = [per_rep[i] / base[i] for i in per_rep if i in base]
+            vs_ar = ""
+            if ar:
+                ar_runs = {r["rep"]: r["tok_s"] for r in summ[(ar, *key)]["runs"]}
+                vs_ar = f"{_median([per_rep[i] / ar_runs[i] for i in per_rep if i in ar_runs]):.3f}"
+            vals = [f"{m[col]:.4g}" for col in COLUMNS]
             lines.append(f"| {v['name']} | {v['mode']} | {key[0]:g} | {key[1]} | " + " | ".join(vals)
-                         + f" | {c['tok_s'] / first:.3f} | " + (f"{c['tok_s'] / ar:.3f}" if ar else "-") + " |")
-    lines += ["", "Variants:", ""] + [f"- `{v['name']}`: `{json.dumps(v)}`" for v in variants]
+                         + f" | {_median(ratios):.3f} [{min(ratios):.2f}-{max(ratios):.2f}] | {vs_ar or '-'} |")
+    lines += ["", "Variants:", ""] + [f"- `{v['name']}`: `{json.dumps(v)}`" for v in state["variants"]]
     return "\n".join(lines) + "\n"
 
 
@@ -88,7 +123,7 @@ def main(argv=None) -> int:
     ap.add_argument("--temps", default="0,1")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--rep", type=int, default=0, help="which prompts (bench_cpu's repeat index)")
+    ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from transformers import AutoTokenizer
@@ -96,20 +131,25 @@ def main(argv=None) -> int:
     order = ordered_prompts(json.loads(PROMPTS.read_text())["prompts"])
     out = RESULTS / f"variants_{args.name}"
     state = {"name": args.name, "machine": machine(), "k": args.k, "tokens": args.tokens,
-             "variants": args.variant, "cells": {}}
+             "repeats": args.repeats, "variants": args.variant, "cells": {}}
     workdir = tempfile.mkdtemp(prefix="bench-variants-")
-    for v in args.variant:
-        with server(v, args.k, workdir) as srv:
-            srv.generate(input_ids=encode_prompt(tok, order[0]), sampling_params={"max_new_tokens": 8})  # warm-up
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for v in args.variant:  # started one at a time; an idle server leaves the cores to the busy one
+            servers[v["name"]] = stack.enter_context(server(v, args.k, workdir))
+            servers[v["name"]].generate(input_ids=encode_prompt(tok, order[0]), sampling_params={"max_new_tokens": 8})
+        for rep in range(args.repeats):
             for t in (float(x) for x in args.temps.split(",")):
                 for b in (int(x) for x in args.batches.split(",")):
-                    c = {"tier": 1 if b == 1 else 2, "temperature": t, "batch": b, "rep": args.rep}
+                    c = {"tier": 1 if b == 1 else 2, "temperature": t, "batch": b, "rep": rep}
                     items = cell_prompts(order, c)
-                    r = run_cell(srv, c, [encode_prompt(tok, p) for p in items], args.tokens)
-                    state["cells"][f"{v['name']}|{t}|{b}"] = {**c, "variant": v["name"], **r}
-                    log.info("%s T=%g b=%d: %.2f tok/s", v["name"], t, b, r["tok_s"])
-                    out.with_suffix(".json").write_text(json.dumps(state, indent=1) + "\n")
-        out.with_suffix(".md").write_text(report(state))
+                    variants = args.variant if rep % 2 == 0 else args.variant[::-1]  # ABBA order
+                    for v in variants:
+                        r = run_cell(servers[v["name"]], c, [encode_prompt(tok, p) for p in items], args.tokens)
+                        state["cells"][f"{v['name']}|{t}|{b}|{rep}"] = {**c, "variant": v["name"], **r}
+                        log.info("rep %d %s T=%g b=%d: %.2f tok/s", rep, v["name"], t, b, r["tok_s"])
+                        out.with_suffix(".json").write_text(json.dumps(state, indent=1) + "\n")
+            out.with_suffix(".md").write_text(report(state))
     print(out.with_suffix(".md").read_text())
     return 0
 

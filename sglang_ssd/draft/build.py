@@ -14,6 +14,8 @@ Knobs (constructor arguments of DraftEngine, defaults from the environment of th
                                  per depth; default 64 on CPU, 0 on CUDA where a forward costs the same
                                  for few or many tokens)
   SGLANG_SSD_MAX_BUILD_DEPTH     build at most this many depths (tests: forces short entries / no entries)
+  SGLANG_SSD_BUILD_BUDGET        0 = always build the full fan-outs; default 1: scale them down while builds
+                                 are cut (budget.py)
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ def build_cache(e: "DraftEngine", should_stop: Optional[Callable[[], bool]] = No
     for st, _ in pending:
         st.cache_fan = None  # set again below for the requests whose entries get stored
     if stop():  # the next message is already here: answer it, build nothing
-        _record(e, t0, 0.0, 0.0, cut_depth=0, before_glue=True)
+        _record(e, t0, 0.0, 0.0, cut_depth=0, before_glue=True, stopped=True)
         return
     # (a) GLUE: KV + logits for [root, s_1..s_d] at slots/positions P..P+d (d = len(last_spec) <= K)
     items, reuse = [], []
@@ -118,7 +120,7 @@ def build_cache(e: "DraftEngine", should_stop: Optional[Callable[[], bool]] = No
         glue.append(out if jit is None else torch.cat([jit, out]))  # [d+1, W] over the runner's columns
     t_glue = _ms(t0)
     if limit == 0 or stop():
-        _record(e, t0, t_glue, 0.0, cut_depth=0)
+        _record(e, t0, t_glue, 0.0, cut_depth=0, stopped=limit > 0)
         return
 
     # (b) FORKS: top-fan[j] raw-logit tokens at glue row j, s_{j+1} excluded for j < d.  After a short
@@ -128,6 +130,7 @@ def build_cache(e: "DraftEngine", should_stop: Optional[Callable[[], bool]] = No
         d = len(st.last_spec)
         fan = s.fan_out if st.last_hit else s.fan_out_miss
         fan = list(fan[:d]) + [max(fan[d:])]
+        fan = e.budget.fan(fan)  # scaled down while full builds do not fit the verify window (budget.py)
         fan = [min(f, e.runner.n_cols - (1 if j < d else 0)) for j, f in enumerate(fan)]
         if sum(fan) == 0:
             continue
@@ -151,7 +154,7 @@ def build_cache(e: "DraftEngine", should_stop: Optional[Callable[[], bool]] = No
         st.cache_fan = fan
     t_tree = _ms(t1)
     reached = min((done for _, _, done in results), default=k_spec)
-    _record(e, t0, t_glue, t_tree, cut_depth=reached if reached < k_spec else None)
+    _record(e, t0, t_glue, t_tree, cut_depth=reached if reached < k_spec else None, stopped=reached < limit)
 
 
 def _decode_tree(e: "DraftEngine", plans, k_spec: int, limit: int, stop: Callable[[], bool]):
@@ -198,9 +201,11 @@ def _decode_tree(e: "DraftEngine", plans, k_spec: int, limit: int, stop: Callabl
 
 
 def _record(e: "DraftEngine", t0: float, t_glue: float, t_tree: float, cut_depth: Optional[int],
-            before_glue: bool = False) -> None:
-    """Build stats; cut_depth = depths every request finished when the build was cut (None: not cut)."""
+            before_glue: bool = False, stopped: bool = False) -> None:
+    """Build stats; cut_depth = depths every request finished when the build was cut (None: not cut);
+    stopped = cut because the next message came (not by max_build_depth): the budget shrinks."""
     total = _ms(t0)
+    e.budget.built(stopped, total / 1e3)
     st = e.stats
     st.builds += 1
     st.build_ms += total

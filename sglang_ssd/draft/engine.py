@@ -22,6 +22,8 @@ import torch
 from sglang_ssd.draft import build
 from sglang_ssd.draft.runner import DraftRunner, ForwardItem
 from sglang_ssd.draft.backup import BackupChooser, fast_backup
+from sglang_ssd.draft.budget import BuildBudget
+from sglang_ssd.draft.budget import enabled_by_env as budget_enabled_by_env
 from sglang_ssd.draft.fanout import LiveFanOut
 from sglang_ssd.draft.sampling import sample_rows
 from sglang_ssd.draft.spec_cache import SpecCache
@@ -85,8 +87,12 @@ def _ms(t0: float) -> float:
 
 class DraftEngine:
     def __init__(self, runner: DraftRunner, seed: int = 0, max_batch: int = 1024,
-                 build_chunk_tokens: Optional[int] = None, max_build_depth: Optional[int] = None):
+                 build_chunk_tokens: Optional[int] = None, max_build_depth: Optional[int] = None,
+                 build_budget: Optional[bool] = None):
         self.runner = runner
+        # fan-outs scaled so a build fits the verify window (budget.py)
+        self.budget = BuildBudget(budget_enabled_by_env() if build_budget is None else build_budget)
+        self._t_reply: Optional[float] = None
         # the cache build polls for the next message between chunks of this many branch tokens
         self.build_chunk_tokens = (build.default_chunk_tokens(runner.device) if build_chunk_tokens is None
                                    else build_chunk_tokens)
@@ -218,6 +224,8 @@ class DraftEngine:
     def speculate(self, msg: Speculate) -> SpecReply:
         t0 = time.perf_counter()
         s = self._check_speculate(msg)
+        if self._t_reply is not None:  # reply -> this request: the window the target's verify gave the build
+            self.budget.observe_window(t0 - self._t_reply)
         n, k_spec = len(msg.rids), s.k
         states = [self.requests[r] for r in msg.rids]
         self.backups.observe(states, msg.ks)  # the previous round's speculations were just verified
@@ -269,6 +277,7 @@ class DraftEngine:
         st_.backup_ms += backup_ms
         answer_ms = _ms(t0)
         st_.answer_ms += answer_ms
+        self._t_reply = time.perf_counter()
         return SpecReply(round_id=msg.round_id, tokens=tokens.numpy(), hit=hit,
                          q_rows=np.asarray(q_rows, dtype=np.int64), q=q, q_ids=q_ids, answer_ms=answer_ms,
                          backup_ms=backup_ms, **st_.last)
@@ -363,6 +372,7 @@ class DraftEngine:
             "avg_tree_ms": st.tree_ms / builds, "last_build_ms": st.last["build_ms"],
             "builds_cut": st.builds_cut, "builds_cut_before_glue": st.builds_cut_before_glue,
             **{f"cut_depth_{d}": n for d, n in sorted(st.cut_depth_hist.items())},
+            **self.budget.report(),
             "avg_answer_ms": st.answer_ms / max(st.rounds, 1),
             "avg_backup_ms": st.backup_ms / max(st.rounds, 1),
             "forward_calls": self.runner.forward_calls, "forward_tokens": self.runner.forward_tokens,

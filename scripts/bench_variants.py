@@ -12,7 +12,8 @@ before/after of two commits in one run (e.g. `git worktree add /tmp/before <rev>
         --variant '{"name": "ssd-f32", "mode": "ssd"}' \
         --variant '{"name": "ssd-bf16", "mode": "ssd", "config": {"draft_dtype": "bfloat16"}}'
 
-All variants' servers stay up for the whole run and every cell runs on each variant in turn (ABBA order over
+All variants' servers stay up for the whole run (frozen with SIGSTOP while another variant is measured: an idle
+SGLang scheduler spins at about half a core) and every cell runs on each variant in turn (ABBA order over
 repeats), so slow drift of the machine hits every variant alike. Writes results/variants_<name>.{json,md}
 (per variant and cell, medians over repeats: tok/s, accept length, hit rate and the round's time split; per
 repeat ratios against the first variant of each mode and against AR when an AR variant is given).
@@ -25,8 +26,10 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -60,6 +63,15 @@ def server(v: dict, k: int, workdir: str) -> SGLangServer:
     return srv
 
 
+def _signal(srv: SGLangServer, sig: int) -> None:
+    """SIGSTOP / SIGCONT a server's whole process group (its scheduler, tokenizer, detokenizer and the draft
+    it spawned): only the variant being measured runs."""
+    try:
+        os.killpg(srv.proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def _median(xs: list) -> float:
     xs = sorted(x for x in xs if isinstance(x, (int, float)))
     if not xs:
@@ -86,7 +98,8 @@ def report(state: dict) -> str:
              f"{state['machine']['cpu']}, {state['machine']['cores']} cores; torch {state['machine']['torch']}, "
              f"SGLang {state['machine']['sglang']}. Target on core 0, draft on core 1; K = {state['k']}, "
              f"{state['tokens']} tokens per request (EOS ignored). Every variant's server is up for the whole run "
-             f"and each cell runs on every variant in turn, repeat after repeat (other servers idle meanwhile), "
+             f"and each cell runs on every variant in turn, repeat after repeat (the other servers frozen with "
+             f"SIGSTOP meanwhile: an idle SGLang scheduler spins), "
              f"so drift of the machine hits all variants alike; medians over {state['repeats']} repeat(s) "
              f"(repeat r uses bench_cpu's prompts of repeat r) (scripts/bench_variants.py).", "",
              "| variant | mode | T | b | " + " | ".join(COLUMNS) + " | vs first of mode [min-max] | vs AR |",
@@ -135,9 +148,11 @@ def main(argv=None) -> int:
     workdir = tempfile.mkdtemp(prefix="bench-variants-")
     with contextlib.ExitStack() as stack:
         servers = {}
-        for v in args.variant:  # started one at a time; an idle server leaves the cores to the busy one
-            servers[v["name"]] = stack.enter_context(server(v, args.k, workdir))
-            servers[v["name"]].generate(input_ids=encode_prompt(tok, order[0]), sampling_params={"max_new_tokens": 8})
+        for v in args.variant:  # started one at a time, each frozen once warm (an idle SGLang scheduler spins)
+            srv = servers[v["name"]] = stack.enter_context(server(v, args.k, workdir))
+            stack.callback(_signal, srv, signal.SIGCONT)  # so that stopping it at exit can work
+            srv.generate(input_ids=encode_prompt(tok, order[0]), sampling_params={"max_new_tokens": 8})
+            _signal(srv, signal.SIGSTOP)
         for rep in range(args.repeats):
             for t in (float(x) for x in args.temps.split(",")):
                 for b in (int(x) for x in args.batches.split(",")):
@@ -145,7 +160,10 @@ def main(argv=None) -> int:
                     items = cell_prompts(order, c)
                     variants = args.variant if rep % 2 == 0 else args.variant[::-1]  # ABBA order
                     for v in variants:
+                        _signal(servers[v["name"]], signal.SIGCONT)
+                        time.sleep(1.0)
                         r = run_cell(servers[v["name"]], c, [encode_prompt(tok, p) for p in items], args.tokens)
+                        _signal(servers[v["name"]], signal.SIGSTOP)
                         state["cells"][f"{v['name']}|{t}|{b}|{rep}"] = {**c, "variant": v["name"], **r}
                         log.info("rep %d %s T=%g b=%d: %.2f tok/s", rep, v["name"], t, b, r["tok_s"])
                         out.with_suffix(".json").write_text(json.dumps(state, indent=1) + "\n")

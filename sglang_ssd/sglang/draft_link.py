@@ -73,7 +73,6 @@ class DraftLink:
         self.client_ok = True  # False after a broken-link error, until a reconnect succeeds
         self._late: Optional[_Late] = None  # a request whose reply missed its deadline, still outstanding
         self._inflight: Optional[tuple] = None  # (kind, rids, knowns, round_id) of the call under way
-        self._last_round_end: Optional[float] = None
         self._wait_ema = 0.0  # recent draft reply time (s), successful rounds only
         self.client_id = uuid.uuid4().hex  # stable across reconnects: the draft knows its owner by it
         self._next_retry = 0.0
@@ -384,34 +383,10 @@ class DraftLink:
     def record(self, accept_lens: list[int], verify_s: float = 0.0, accept_s: float = 0.0,
                t_start: Optional[float] = None, t_end: Optional[float] = None) -> None:
         """One verified round: accepted lengths and where its time went (perf_counter stamps)."""
-        s = self.stats
-        s.verify_s += verify_s
-        s.accept_s += accept_s
-        if t_start is not None and t_end is not None:
-            s.round_s += t_end - t_start
-            last = self._last_round_end
-            if last is not None and 0 <= t_start - last < 1.0:
-                s.gap_s += t_start - last
-            self._last_round_end = t_end
-        self.stats.rounds += 1
-        self.stats.rows += len(accept_lens)
-        self.stats.accepted += sum(accept_lens)
-        for a in accept_lens:
-            self.stats.hist[min(a, self.k + 1)] += 1
+        self.stats.record(accept_lens, self.k, verify_s, accept_s, t_start, t_end)
 
     def as_dict(self) -> dict:
-        s = self.stats
-        rows = max(s.rows, 1)
-        return {"mode": self.cfg.mode, "k": self.k, "fan_out": self.cfg.fan_out, "rounds": s.rounds,
-                "rows": s.rows, "hits": s.hits, "hit_rate": s.hits / rows, "accept_len": s.accepted / rows,
-                "draft_wait_ms": 1000 * s.wait_s / max(s.rounds, 1), "fallback_rows": s.fallback_rows,
-                "waited_rounds": s.waited_rounds, "wait_s": s.wait_s, "verify_s": s.verify_s,
-                "accept_s": s.accept_s, "round_s": s.round_s, "gap_s": s.gap_s, "answer_s": s.answer_s,
-                "backup_s": s.backup_s,
-                "errors": s.errors, "reconnects": s.reconnects, "deadline_misses": s.deadline_misses,
-                "late_replies_discarded": s.late_replies_discarded, "stalled_rounds": s.stalled_rounds,
-                "resets": s.resets, "resumes": s.resumes, "early_prefills": s.early_prefills,
-                "accept_hist": s.hist}
+        return self.stats.as_dict(self.cfg.mode, self.k, self.cfg.fan_out)
 
     def write_stats(self, path: str) -> None:
         tmp = path + ".tmp"
@@ -420,9 +395,4 @@ class DraftLink:
         os.replace(tmp, path)
 
     def summary(self) -> str:
-        s = self.stats
-        rows = max(s.rows, 1)
-        return (f"saguaro[{self.cfg.mode}] rounds={s.rounds} accept_len={s.accepted / rows:.2f} "
-                f"hit_rate={s.hits / rows:.2f} draft_wait_ms={1000 * s.wait_s / max(s.rounds, 1):.1f} "
-                f"fallback_rows={s.fallback_rows} errors={s.errors} deadline_misses={s.deadline_misses} "
-                f"resets={s.resets} accept_hist={s.hist}")
+        return self.stats.summary(self.cfg.mode)

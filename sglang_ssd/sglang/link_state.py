@@ -1,5 +1,6 @@
 """What DraftLink keeps between rounds: the proposal handed to the verifier, what the draft holds per
-request (as far as the worker knows), a request whose reply missed its deadline, and the counters."""
+request (as far as the worker knows), a request whose reply missed its deadline, and the counters (with
+their per-round bookkeeping and the stats file's form)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,41 @@ class LinkStats:
     late_replies_discarded: int = 0  # replies that arrived after their deadline, received and dropped
     stalled_rounds: int = 0  # rounds decoded target-only without asking, a late reply still outstanding
     hist: list[int] = field(default_factory=list)
+    last_round_end: Optional[float] = None  # perf_counter stamp of the previous round's end
+
+    def record(self, accept_lens: list[int], k: int, verify_s: float = 0.0, accept_s: float = 0.0,
+               t_start: Optional[float] = None, t_end: Optional[float] = None) -> None:
+        """One verified round: accepted lengths and where its time went (perf_counter stamps)."""
+        self.verify_s += verify_s
+        self.accept_s += accept_s
+        if t_start is not None and t_end is not None:
+            self.round_s += t_end - t_start
+            last = self.last_round_end
+            if last is not None and 0 <= t_start - last < 1.0:
+                self.gap_s += t_start - last
+            self.last_round_end = t_end
+        self.rounds += 1
+        self.rows += len(accept_lens)
+        self.accepted += sum(accept_lens)
+        for a in accept_lens:
+            self.hist[min(a, k + 1)] += 1
+
+    def as_dict(self, mode: str, k: int, fan_out: list[int]) -> dict:
+        rows = max(self.rows, 1)
+        return {"mode": mode, "k": k, "fan_out": fan_out, "rounds": self.rounds,
+                "rows": self.rows, "hits": self.hits, "hit_rate": self.hits / rows, "accept_len": self.accepted / rows,
+                "draft_wait_ms": 1000 * self.wait_s / max(self.rounds, 1), "fallback_rows": self.fallback_rows,
+                "waited_rounds": self.waited_rounds, "wait_s": self.wait_s, "verify_s": self.verify_s,
+                "accept_s": self.accept_s, "round_s": self.round_s, "gap_s": self.gap_s, "answer_s": self.answer_s,
+                "backup_s": self.backup_s,
+                "errors": self.errors, "reconnects": self.reconnects, "deadline_misses": self.deadline_misses,
+                "late_replies_discarded": self.late_replies_discarded, "stalled_rounds": self.stalled_rounds,
+                "resets": self.resets, "resumes": self.resumes, "early_prefills": self.early_prefills,
+                "accept_hist": self.hist}
+
+    def summary(self, mode: str) -> str:
+        rows = max(self.rows, 1)
+        return (f"saguaro[{mode}] rounds={self.rounds} accept_len={self.accepted / rows:.2f} "
+                f"hit_rate={self.hits / rows:.2f} draft_wait_ms={1000 * self.wait_s / max(self.rounds, 1):.1f} "
+                f"fallback_rows={self.fallback_rows} errors={self.errors} deadline_misses={self.deadline_misses} "
+                f"resets={self.resets} accept_hist={self.hist}")

@@ -463,10 +463,14 @@ class SpecReply(Message):
             if len(self.q_rows) and self.q.shape[2] != vocab_size:
                 raise _fail("q", f"dense width {self.q.shape[2]} != vocab size {vocab_size}")
             return self.q
+        return self._scatter(self.q, vocab_size)
+
+    def _scatter(self, q: np.ndarray, vocab_size: int) -> np.ndarray:
+        """q [..., W] over q_ids -> [..., V], zeros elsewhere."""
         if self.q_ids[-1] >= vocab_size:
             raise _fail("q_ids", f"id {int(self.q_ids[-1])} >= vocab size {vocab_size}")
-        out = np.zeros(self.q.shape[:2] + (vocab_size,), dtype=np.float16)
-        out[:, :, self.q_ids] = self.q
+        out = np.zeros(q.shape[:-1] + (vocab_size,), dtype=np.float16)
+        out[..., self.q_ids] = q
         return out
 
     def q_for_row(self, row: int, vocab_size: Optional[int] = None) -> Optional[np.ndarray]:
@@ -479,9 +483,7 @@ class SpecReply(Message):
             return self.q[pos]
         if vocab_size is None:
             raise ValueError("q is sparse (over q_ids): pass vocab_size")
-        out = np.zeros((self.q.shape[1], vocab_size), dtype=np.float16)
-        out[:, self.q_ids] = self.q[pos]
-        return out
+        return self._scatter(self.q[pos], vocab_size)
 
 
 @dataclass

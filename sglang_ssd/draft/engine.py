@@ -93,6 +93,9 @@ class DraftEngine:
         # fan-outs scaled so a build fits the verify window (budget.py)
         self.budget = BuildBudget(budget_enabled_by_env() if build_budget is None else build_budget)
         self._t_reply: Optional[float] = None
+        # a reply's q_ids: the head's ids (sorted, once), empty = q dense over the vocabulary
+        self._q_ids = (np.zeros(0, dtype=np.int64) if runner.cols is None
+                       else runner.cols.cpu().numpy().astype(np.int64))
         # the cache build polls for the next message between chunks of this many branch tokens
         self.build_chunk_tokens = (build.default_chunk_tokens(runner.device) if build_chunk_tokens is None
                                    else build_chunk_tokens)
@@ -289,22 +292,15 @@ class DraftEngine:
         cols, v = self.runner.cols, self.runner.vocab_size
         if not rows:
             w = v if cols is None else int(cols.numel())
-            return np.zeros((0, k_spec, w), dtype=np.float16), self._q_ids()
+            return np.zeros((0, k_spec, w), dtype=np.float16), self._q_ids
         if cols is None or all(r.shape[-1] == cols.numel() for r in rows):
-            return torch.stack(rows).cpu().numpy(), self._q_ids()
+            return torch.stack(rows).cpu().numpy(), self._q_ids
         dense = []
         for r in rows:
             if r.shape[-1] != v:
                 r = torch.zeros(k_spec, v, dtype=r.dtype, device=r.device).index_copy_(1, cols, r)
             dense.append(r)
         return torch.stack(dense).cpu().numpy(), np.zeros(0, dtype=np.int64)
-
-    def _q_ids(self) -> np.ndarray:
-        if self.runner.cols is None:
-            return np.zeros(0, dtype=np.int64)
-        if getattr(self, "_q_ids_np", None) is None:
-            self._q_ids_np = self.runner.cols.cpu().numpy().astype(np.int64)
-        return self._q_ids_np
 
     def _decode_backup(self, states: Sequence[RequestState], keep_logits: bool = True):
         """Just-in-time K-token decode from each state's context, batched across rows.

@@ -105,11 +105,6 @@ class DraftRunner:
         return self.cfg.vocab_size
 
     @property
-    def support(self) -> Optional[torch.Tensor]:
-        """Token ids a reduced head covers (sorted; q is exactly 0 elsewhere), None for a full head."""
-        return self.cols
-
-    @property
     def n_cols(self) -> int:
         """Width of the column space the hot path works in: the head's own ids (reduced head) or V."""
         return self.vocab_size if self.cols is None else int(self.cols.numel())

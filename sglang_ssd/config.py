@@ -20,7 +20,10 @@ backup                 ``SGLANG_SSD_CONFIG["backup"]``             "neural" (dra
 saguaro_c              ``SGLANG_SSD_CONFIG["saguaro_c"]``          1.0 (Saguaro sampling C in (0, 1];
                                                                    per request: sampling_params
                                                                    custom_params {"saguaro_c": C})
-draft_device           ``SGLANG_SSD_CONFIG["draft_device"]``       "cpu" / "cuda:1" on GPU
+draft_device           ``SGLANG_SSD_CONFIG["draft_device"]``       "auto": cpu for a CPU target; on GPU
+                                                                   a GPU the target does not use, else
+                                                                   the target's own (logged: SSD then
+                                                                   shares it); or "cpu" / "cuda:N"
 draft_endpoint         ``SGLANG_SSD_CONFIG["draft_endpoint"]``     null = a fresh ipc:// path; a
                                                                    non-loopback tcp:// one needs
                                                                    curve_keys
@@ -79,7 +82,7 @@ class SaguaroConfig:
     saguaro_c: float = 1.0
     backup: str = "neural"
     fan_out_auto: bool = True  # fitted schedule: hit rate 0.38 -> 0.44 at T=0 on the CPU pair
-    draft_device: str = "cpu"
+    draft_device: str = "auto"  # resolve_draft_device, at worker start
     draft_endpoint: Optional[str] = None
     spawn_draft: bool = True
     early_prefill: bool = True
@@ -133,9 +136,10 @@ class SaguaroConfig:
             raise SaguaroConfigError(f"{ENV_VAR} key 'backup' must be 'neural', 'fast' or 'auto', got {self.backup!r}")
         if check_saguaro_c(self.saguaro_c) is None:
             raise SaguaroConfigError(f"{ENV_VAR} key 'saguaro_c' must be a number in (0, 1], got {self.saguaro_c!r}")
-        if not (self.draft_device == "cpu" or self.draft_device.startswith("cuda")):
+        if not isinstance(self.draft_device, str) or not (
+                self.draft_device in ("auto", "cpu") or self.draft_device.startswith("cuda")):
             raise SaguaroConfigError(
-                f"{ENV_VAR} key 'draft_device' must be 'cpu' or 'cuda[:N]', got {self.draft_device!r}")
+                f"{ENV_VAR} key 'draft_device' must be 'auto', 'cpu' or 'cuda[:N]', got {self.draft_device!r}")
         if self.draft_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise SaguaroConfigError(
                 f"{ENV_VAR} key 'draft_dtype' must be auto, float32, bfloat16 or float16, got {self.draft_dtype!r}")
@@ -194,6 +198,22 @@ class SaguaroConfig:
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+def resolve_draft_device(setting: str, target_device: str, target_gpus: set[int], n_gpus: int) -> tuple[str, str]:
+    """draft_device "auto" -> (device, why).  A CPU target gets a CPU draft; a GPU target the first GPU
+    it does not use (SSD's premise: the draft on its own device), else its own first GPU -- then draft
+    and target share one device and SSD can only be slower than on two.  Explicit settings stand."""
+    if setting != "auto":
+        return setting, "configured"
+    if not str(target_device).startswith("cuda"):
+        return "cpu", "the target runs on the CPU"
+    free = [i for i in range(n_gpus) if i not in target_gpus]
+    if free:
+        return f"cuda:{free[0]}", "the first GPU the target does not use"
+    own = min(target_gpus) if target_gpus else 0
+    return f"cuda:{own}", (f"no free GPU ({n_gpus} visible, all used by the target): the draft SHARES the "
+                           "target's GPU, so drafting competes with verification")
 
 
 def check_saguaro_c(v: Any) -> Optional[float]:

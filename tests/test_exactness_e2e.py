@@ -35,6 +35,7 @@ from sglang_ssd.protocol import PROTOCOL_VERSION, Hello, Prefill, Speculate
 from sglang_ssd.saguaro.proposal import dequantize_proposal
 from sglang_ssd.saguaro.target_dist import target_probs
 from sglang_ssd.saguaro.verify import verify_chain
+from sglang_ssd.sglang.link_state import reply_q16
 from tests.tiny_models import make_reduced_head_model, make_tiny_model
 
 V, K = 8, 2
@@ -114,9 +115,9 @@ def run(pair, path: str, temp: float, seed: int, broken: str = "") -> tuple[torc
             late_misses += int((~reply.hit).sum())
         rounds += len(live)
         drafts = torch.as_tensor(reply.tokens)
-        q = torch.zeros(len(live), K, V, dtype=torch.float16)
         assert reply.q.shape[2] == n_cols and (path != "reduced" or reply.q_ids.tolist() == sorted(REDUCED_HEAD))
-        q[torch.as_tensor(reply.q_rows)] = torch.as_tensor(reply.q_dense(V))
+        # the worker's own assembly (DraftLink): the wire values scattered over V
+        q = reply_q16(reply.q, reply.q_ids, torch.as_tensor(reply.q_rows), len(live), K, V, "cpu")
         if broken == "misplaced_ids":    # scatter the sparse q to the head's ids rotated by one
             q = torch.zeros_like(q)
             q[torch.as_tensor(reply.q_rows)[:, None, None], torch.arange(K)[None, :, None],

@@ -84,3 +84,39 @@ def test_cuda_graphs_forced_off_on_cpu_only():
     b = _args("cuda")
     algo.handle_server_args(b)
     assert b.disable_cuda_graph is (not torch.cuda.is_available())
+
+
+def _backend(name, **attrs):
+    return type(name, (), attrs)()  # the rule goes by SGLang's class names (their modules need CUDA)
+
+
+def test_mask_built_only_for_backends_that_read_it():
+    from sglang_ssd.sglang.verify_input import verify_reads_mask
+
+    assert verify_reads_mask(_backend("FlashInferAttnBackend")) is True
+    assert verify_reads_mask(_backend("TritonAttnBackend")) is True
+    assert verify_reads_mask(_backend("FlashAttentionBackend", topk=1)) is False   # fa3 / fa4, a chain
+    assert verify_reads_mask(_backend("FlashAttentionBackend", topk=0)) is False
+    assert verify_reads_mask(_backend("FlashAttentionBackend", topk=4)) is True    # tree verify reads it
+    assert verify_reads_mask(None) is True                                         # unknown: build it
+    fa3, fi = _backend("FlashAttentionBackend", topk=1), _backend("FlashInferAttnBackend")
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    def hybrid(verify_backend):  # HybridAttnBackend resolves TARGET_VERIFY to one of its two
+        return _backend("HybridAttnBackend", _select_backend=lambda self, mode: (
+            verify_backend if mode == ForwardMode.TARGET_VERIFY else None))
+
+    assert verify_reads_mask(hybrid(fa3)) is False and verify_reads_mask(hybrid(fi)) is True
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    assert verify_reads_mask(TorchNativeAttnBackend.__new__(TorchNativeAttnBackend)) is False
+
+
+def test_dummy_verify_input_hook_for_saguaro_only():
+    orig = lambda algo, mask, n, draft, *a: ("orig", n)
+    saguaro = SaguaroAlgo(ALGO_NAME, worker_factory)
+    mask = torch.ones(40, dtype=torch.bool)
+    spec = hooks.chain_verify_dummy_input(orig, saguaro, mask, 4, False)
+    assert isinstance(spec, ChainVerifyInput) and spec.draft_token_num == 4 and spec.custom_mask is mask
+    assert hooks.chain_verify_dummy_input(orig, SimpleNamespace(name="NGRAM"), mask, 4, False) == ("orig", 4)
+    assert hooks.chain_verify_dummy_input(orig, saguaro, mask, 4, True) == ("orig", 4)

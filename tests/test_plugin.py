@@ -19,12 +19,19 @@ PROBE = textwrap.dedent("""
     from sglang_ssd.sglang import plugin
     plugin.register(); plugin._registered = False; plugin.register()   # idempotent, even re-entered
     algo = SpeculativeAlgorithm.from_string("saguaro")
+    # the hooks as SGLang applies them; the FlashInfer autotune warm-up asks base_runner's imported name
+    import torch
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    HookRegistry.apply_hooks()
+    from sglang.srt.model_executor.runner import base_runner
+    dummy = base_runner.create_dummy_verify_input(algo, torch.ones(64, dtype=torch.bool), 5, False)
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.arg_groups.overrides import resolving_view
     out = {"class": type(algo).__module__ + "." + type(algo).__qualname__,
            "same": algo is SpeculativeAlgorithm.from_string("SAGUARO"),
            "need_topk": algo.need_topk(), "hidden": algo.carries_draft_hidden_states(),
-           "draft_kv": algo.has_draft_kv(), "cases": []}
+           "draft_kv": algo.has_draft_kv(), "cases": [],
+           "dummy": [type(dummy).__name__, dummy.draft_token_num, dummy.tree_topk, int(dummy.custom_mask.numel())]}
     for case in json.loads(sys.argv[1]):
         os.environ.pop("SGLANG_SSD_CONFIG", None)
         if case.get("env"):
@@ -75,6 +82,12 @@ def test_entry_point_discovered_and_idempotent(probe):
     assert probe["need_topk"] is False and probe["hidden"] is False and probe["draft_kv"] is False
 
 
+def test_dummy_verify_input_hooked_for_saguaro(probe):
+    """spec_info.create_dummy_verify_input returns None for a custom algorithm; the hook gives the
+    TARGET_VERIFY warm-up (FlashInfer autotune) a chain input over the runner's mask buffer."""
+    assert probe["dummy"] == ["ChainVerifyInput", 5, 1, 64]
+
+
 def test_server_args_defaults(probe):
     assert probe["cases"][0] == {"ok": ["SAGUARO", 4, "none", 5, 1, True, 48]}
     assert probe["cases"][1] == {"ok": ["SAGUARO", 3, "none", 4, 1, True, 48]}
@@ -107,6 +120,26 @@ def test_config_dataclass(draft_path, tmp_path):
                      ('{"saguaro_c": 1.5}', "saguaro_c"), ('{"saguaro_c": true}', "saguaro_c")]:
         with pytest.raises(SaguaroConfigError, match=key):
             SaguaroConfig.from_sources(draft_path, 4, env={"SGLANG_SSD_CONFIG": env})
+
+
+def test_draft_device_auto(draft_path):
+    from sglang_ssd.config import resolve_draft_device
+
+    assert SaguaroConfig.from_sources(draft_path, 4, env={}).draft_device == "auto"
+    with pytest.raises(SaguaroConfigError, match="draft_device"):
+        SaguaroConfig.from_sources(draft_path, 4, env={"SGLANG_SSD_CONFIG": '{"draft_device": "tpu"}'})
+    assert resolve_draft_device("auto", "cpu", set(), 0)[0] == "cpu"
+    assert resolve_draft_device("auto", "cuda", {0}, 2)[0] == "cuda:1"         # a GPU of its own
+    assert resolve_draft_device("auto", "cuda", {0, 1}, 4)[0] == "cuda:2"      # TP 2: the next free one
+    dev, why = resolve_draft_device("auto", "cuda", {0}, 1)
+    assert dev == "cuda:0" and "SHARES" in why                                  # one GPU: shared, logged
+    assert resolve_draft_device("cuda:3", "cuda", {0}, 8) == ("cuda:3", "configured")
+    assert resolve_draft_device("cpu", "cuda", {0}, 8)[0] == "cpu"
+    from types import SimpleNamespace
+
+    from sglang_ssd.sglang.worker import target_gpus
+
+    assert target_gpus(SimpleNamespace(base_gpu_id=2, gpu_id_step=1, tp_size=2, pp_size=1), 2) == {2, 3}
 
 
 def test_saguaro_c_server_default_and_per_request_override(draft_path):

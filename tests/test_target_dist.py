@@ -34,6 +34,7 @@ from sglang_ssd.saguaro.target_dist import (
     effective_top_k,
     filter_probs,
     is_greedy,
+    sampler_filter_order,
     target_probs,
 )
 
@@ -222,6 +223,40 @@ def test_filter_orders():
     torch.testing.assert_close(seq, torch.tensor([[1.0, 0.0, 0.0]]))
     with pytest.raises(ValueError):
         filter_probs(probs, k, p, m, "bogus")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend,min_p,order", [
+    ("flashinfer", True, "sequential"), ("flashinfer", False, "joint"),    # GPU default
+    ("intel_xpu", True, "sequential"), ("intel_xpu", False, "joint"),
+    ("pytorch", True, "joint"), ("pytorch", False, "joint"),               # CPU default
+])
+def test_filter_order_follows_the_running_sampler(backend, min_p, order):
+    assert sampler_filter_order(backend, min_p) == order
+
+
+def test_unsupported_sampling_backend_is_refused():
+    with pytest.raises(ValueError, match="--sampling-backend 'ascend' is not supported"):
+        sampler_filter_order("ascend", False)
+
+
+def test_filter_order_table_matches_installed_sampler():
+    """The table above, read off SGLang's Sampler._sample_from_probs: flashinfer / intel_xpu run
+    top_k_renorm -> top_p_renorm -> min_p when need_min_p_sampling, else the fused joint kernel;
+    pytorch runs the joint torch function (transcribed and compared above)."""
+    if SGLANG is None:
+        pytest.skip("sglang wheel not installed")
+    src = (SGLANG / "srt/layers/sampler.py").read_text()
+    body = src[src.index("def _sample_from_probs"):]
+    body = body[: body.index("\n    def ", 1)]
+    fi = body.index('if backend in ("flashinfer", "intel_xpu"):')
+    pt = body.index('elif backend == "pytorch":')
+    branch = body[fi:pt]
+    seq = branch[branch.index("if sampling_info.need_min_p_sampling:"):branch.index("else:")]
+    calls = [seq.index(c) for c in ("top_k_renorm_prob(", "top_p_renorm_prob(", "min_p_sampling_from_probs(")]
+    assert calls == sorted(calls)
+    assert 'filter_apply_order="joint"' in branch[branch.index("else:"):]
+    assert "top_k_top_p_min_p_sampling_from_probs_torch(" in body[pt:]
+    assert 'raise ValueError(f"Invalid sampling backend' in body[pt:]  # no other backend samples here
 
 
 # ----------------------------------------------------------------------------- properties

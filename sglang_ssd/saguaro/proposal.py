@@ -18,10 +18,17 @@ def quantize_proposal(q: torch.Tensor) -> torch.Tensor:
 def dequantize_proposal(q16: torch.Tensor) -> torch.Tensor:
     """float16 wire copy -> float32 distribution, renormalised along the last axis.
 
-    Both ends call this on the same float16 values, so both see bit-identical q.
+    Both ends call this on the same float16 values and must see bit-identical q, although the draft
+    holds a row over its head's ids ([..., W]) on its own device and the verifier the same row
+    scattered over the vocabulary ([..., V], zeros elsewhere) on the target's.  So the normaliser is
+    the EXACT sum of the values: a float16 probability in [0, 1] is a whole number (<= 2^24) of units
+    2^-24, so a float64 accumulator (53-bit significand) adds up to 2^29 of them without rounding, in
+    any order, and zeros change nothing -- whatever the layout, the device or its reduction order.  (A float32 sum is exact
+    only while partial sums stay below 1; past it the result depends on the order of the additions.)
+    q = float32(q16) / float32(sum) is then one correctly rounded division of identical operands.
     """
-    q = q16.to(torch.float32)
-    return q / q.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+    s = q16.sum(dim=-1, keepdim=True, dtype=torch.float64).to(torch.float32)
+    return q16.to(torch.float32) / s.clamp_min(1e-30)
 
 
 def proposal_from_logits(logits: torch.Tensor, temperature: torch.Tensor | float) -> torch.Tensor:

@@ -62,6 +62,28 @@ TOP_K_ALL = 1 << 30  # sglang/srt/sampling/sampling_params.py: TOP_K_ALL (top_k 
 FilterOrder = Literal["joint", "sequential"]
 
 
+# SGLang 0.5.23 ``Sampler._sample_from_probs`` by ``--sampling-backend`` (GPU default "flashinfer",
+# CPU default "pytorch"; srt/arg_groups/overrides.py ``_sampling_backend_default``)
+SEQUENTIAL_WITH_MIN_P = ("flashinfer", "intel_xpu")  # top_k_renorm -> top_p_renorm -> min_p, batch-wide
+JOINT = ("pytorch",)                                  # top_k_top_p_min_p_sampling_from_probs_torch
+SAMPLING_BACKENDS = SEQUENTIAL_WITH_MIN_P + JOINT
+
+
+def sampler_filter_order(backend: str, need_min_p: bool) -> FilterOrder:
+    """The order SGLang's sampler applies top-k / top-p / min-p in, for the whole batch.
+
+    flashinfer / intel_xpu: when any request of the batch has min_p > 0 (``need_min_p_sampling``),
+    top_k_renorm_prob -> top_p_renorm_prob -> min_p_sampling_from_probs, i.e. "sequential"; else the
+    fused ``top_k_top_p_sampling_from_probs(filter_apply_order="joint")``.  pytorch: joint always.
+    Any other backend ("ascend" has its own sampler) is refused: the verifier could not know its p."""
+    if backend in SEQUENTIAL_WITH_MIN_P:
+        return "sequential" if need_min_p else "joint"
+    if backend in JOINT:
+        return "joint"
+    raise ValueError(f"--sampling-backend {backend!r} is not supported with saguaro: its exact verify "
+                     f"rebuilds the sampler's distribution for {list(SAMPLING_BACKENDS)} only")
+
+
 def is_greedy(temperature: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     """BoolTensor[N]: rows SGLang decodes by argmax.
 

@@ -29,10 +29,10 @@ from typing import Optional
 
 import torch
 
-from sglang_ssd.config import SaguaroConfig, check_saguaro_c
+from sglang_ssd.config import SaguaroConfig, check_saguaro_c, resolve_draft_device
 from sglang_ssd.protocol import Ack, SpecReply
 from sglang_ssd.sglang import early_prefill
-from sglang_ssd.sglang.link_state import UNKNOWN, LinkStats, Proposal, _Late, _ReqState
+from sglang_ssd.sglang.link_state import UNKNOWN, LinkStats, Proposal, _Late, _ReqState, reply_q16
 
 __all__ = ["DraftLink", "LinkStats", "Proposal"]
 
@@ -57,7 +57,7 @@ WAITED_S = 0.005  # a reply slower than this was computed while the target waite
 
 
 class DraftLink:
-    def __init__(self, cfg: SaguaroConfig, vocab_size: int, eos_ids: list[int]):
+    def __init__(self, cfg: SaguaroConfig, vocab_size: int, eos_ids: list[int], device="cpu"):
         from sglang_ssd.draft.client import DraftClient
 
         self._client_cls = DraftClient
@@ -65,6 +65,7 @@ class DraftLink:
         self.k = cfg.num_spec_tokens
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
+        self.device = torch.device(device)  # the verifier's: q16 is built there
         self.states: dict[str, _ReqState] = {}
         self.stats = LinkStats(hist=[0] * (self.k + 2))
         self.proc: Optional[subprocess.Popen] = None
@@ -83,6 +84,9 @@ class DraftLink:
 
     # ---- lifecycle ----------------------------------------------------------------------
     def _spawn(self) -> None:
+        if self.cfg.draft_device == "auto":  # the worker resolves it with the target's GPU set first
+            gpus = torch.cuda.device_count() if self.device.type == "cuda" else 0
+            self.cfg.draft_device, _ = resolve_draft_device("auto", str(self.device), {self.device.index or 0}, gpus)
         cmd = [sys.executable, "-m", "sglang_ssd.draft", "--model", self.cfg.draft_model_path,
                "--device", self.cfg.draft_device, "--bind", self.endpoint,
                "--dtype", self.cfg.draft_dtype, "--threads", str(self.cfg.draft_threads)]
@@ -277,13 +281,8 @@ class DraftLink:
             q_valid = torch.zeros(bs, dtype=torch.bool)
             q_valid[q_rows] = True
             q16 = None
-            if q_rows.numel():  # sparse q (the head's ids once, values per row) scattered to the vocabulary
-                q = torch.from_numpy(reply.q_dense(self.vocab_size))
-                if tuple(q.shape) != (q_rows.numel(), self.k, self.vocab_size):
-                    raise ValueError(f"draft sent q of shape {tuple(reply.q.shape)}")
-                q16 = q if q_rows.numel() == bs else torch.zeros(bs, self.k, self.vocab_size, dtype=torch.float16)
-                if q16 is not q:
-                    q16[q_rows] = q
+            if q_rows.numel():  # sparse q (the head's ids once, values per row), scattered on the device
+                q16 = reply_q16(reply.q, reply.q_ids, q_rows, bs, self.k, self.vocab_size, self.device)
             hit = torch.as_tensor(reply.hit, dtype=torch.bool).reshape(bs)
             for r, row, n, known in zip(reqs, tokens.tolist(), max_accept.tolist(), knowns):
                 self.states[r.rid] = _ReqState(spec=row[:n], known_len=known)  # only what may be accepted

@@ -19,6 +19,11 @@
    ``ChainVerifyInput`` over the runner's custom-mask buffer, as the NGRAM branch does; at replay
    the real verify input's chain mask is planned outside the graph.  UNVERIFIED: no GPU was
    available to capture it (scripts/gpu_check.sh exercises it).
+4. ``chain_verify_dummy_input`` (registered everywhere; only GPU warm-ups call it): the FlashInfer
+   autotune warm-up of MoE / FP8 / FP4 targets runs a TARGET_VERIFY dummy forward with
+   ``spec_info.create_dummy_verify_input``, which returns None for a custom algorithm; the flashinfer
+   backend then asserts on the missing verify input.  For SAGUARO it returns the same
+   ``ChainVerifyInput`` over the runner's mask buffer as (3).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ ALIAS_TARGET = "sglang.srt.arg_groups.speculative_hook._resolve_speculative_algo
 TORCH_NATIVE_EXTEND = (
     "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend"
 )
+DUMMY_VERIFY_INPUT = "sglang.srt.speculative.spec_info.create_dummy_verify_input"
 GRAPH_SPEC_INFO = (
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.get_spec_info"
 )
@@ -111,17 +117,32 @@ def _linear_chain_verify(backend, q, k, v, layer, forward_batch, n, save_kv_cach
     return o
 
 
-def chain_verify_graph_spec_info(orig, self, num_tokens):
-    from sglang_ssd.sglang.spec_algo import ALGO_NAME
-
-    if getattr(self.model_runner.spec_algorithm, "name", None) != ALGO_NAME or self.model_runner.is_draft_worker:
-        return orig(self, num_tokens)
+def _dummy_chain_input(custom_mask, width: int):
+    """A shape-only chain verify input over a runner's mask buffer (what NGRAM's dummy is for NGRAM)."""
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
     from sglang_ssd.sglang.verify_input import ChainVerifyInput
 
-    spec = ChainVerifyInput(draft_token=None, custom_mask=self.buffers.custom_mask, positions=None,
+    spec = ChainVerifyInput(draft_token=None, custom_mask=custom_mask, positions=None,
                             retrieve_index=None, retrieve_next_token=None, retrieve_next_sibling=None,
-                            draft_token_num=self.captured_req_width)
+                            draft_token_num=width)
     spec.capture_hidden_mode = CaptureHiddenMode.NULL
     return spec
+
+
+def _is_saguaro(spec_algorithm) -> bool:
+    from sglang_ssd.sglang.spec_algo import ALGO_NAME
+
+    return getattr(spec_algorithm, "name", None) == ALGO_NAME
+
+
+def chain_verify_graph_spec_info(orig, self, num_tokens):
+    if not _is_saguaro(self.model_runner.spec_algorithm) or self.model_runner.is_draft_worker:
+        return orig(self, num_tokens)
+    return _dummy_chain_input(self.buffers.custom_mask, self.captured_req_width)
+
+
+def chain_verify_dummy_input(orig, spec_algorithm, custom_mask, num_tokens_per_req, is_draft_worker, *args, **kwargs):
+    if not _is_saguaro(spec_algorithm) or is_draft_worker:
+        return orig(spec_algorithm, custom_mask, num_tokens_per_req, is_draft_worker, *args, **kwargs)
+    return _dummy_chain_input(custom_mask, num_tokens_per_req)

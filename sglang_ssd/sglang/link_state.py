@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 UNKNOWN = -1  # _ReqState.known_len of a request whose draft-side state is unknown: re-prefill it
@@ -17,11 +18,34 @@ class Proposal:
     """K draft tokens per request and what verification needs to stay exact."""
 
     tokens: torch.Tensor  # [bs, K] int64
-    q16: Optional[torch.Tensor]  # [bs, K, V] float16 proposal distributions, rows with q only
+    q16: Optional[torch.Tensor]  # [bs, K, V] float16 proposal distributions on the verifier's device, rows with q only
     q_valid: torch.Tensor  # [bs] bool: row has a sampled (non-deterministic) proposal
     max_accept: torch.Tensor  # [bs] int64: drafts that may be accepted (0 = target-only round)
     hit: torch.Tensor  # [bs] bool: came from the speculation cache
     wait_s: float = 0.0
+
+
+def reply_q16(q: np.ndarray, q_ids: np.ndarray, q_rows: torch.Tensor, bs: int, k: int, vocab_size: int,
+              device) -> torch.Tensor:
+    """A SpecReply's q rows -> float16 [bs, K, V] on the verifier's device, zeros on rows without q.
+
+    The wire values move first, as they came (float16 [m, K, W] over the head's ids q_ids, or dense
+    [m, K, V] when q_ids is empty), and are scattered there: no dense [bs, K, V] array is built on the
+    host or copied to the device, and both ends dequantise the same float16 bytes
+    (proposal.dequantize_proposal, exact whatever the layout)."""
+    m = int(q_rows.numel())
+    width = len(q_ids) if len(q_ids) else vocab_size
+    if tuple(q.shape) != (m, k, width):
+        raise ValueError(f"draft sent q of shape {tuple(q.shape)}, expected {(m, k, width)}")
+    if len(q_ids) and int(q_ids[-1]) >= vocab_size:
+        raise ValueError(f"draft sent q over token id {int(q_ids[-1])} >= vocab size {vocab_size}")
+    rows = torch.from_numpy(np.ascontiguousarray(q)).to(device, non_blocking=True)
+    out = torch.zeros(bs, k, vocab_size, dtype=torch.float16, device=device)
+    if len(q_ids):
+        ids = torch.from_numpy(np.ascontiguousarray(q_ids)).to(device, non_blocking=True)
+        rows = torch.zeros(m, k, vocab_size, dtype=torch.float16, device=device).index_copy_(2, ids, rows)
+    out[q_rows.to(device)] = rows
+    return out
 
 
 @dataclass

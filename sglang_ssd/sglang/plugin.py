@@ -31,6 +31,7 @@ def register() -> None:
         )(worker_factory)
     HookRegistry.register(hooks.ALIAS_TARGET, hooks.validate_before_alias, HookType.AROUND)
     HookRegistry.register(hooks.TORCH_NATIVE_EXTEND, hooks.torch_native_chain_verify, HookType.AROUND)
+    HookRegistry.register(hooks.DUMMY_VERIFY_INPUT, hooks.chain_verify_dummy_input, HookType.AROUND)
     import torch
 
     from sglang_ssd.sglang import forward_timing

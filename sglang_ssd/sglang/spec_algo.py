@@ -83,6 +83,14 @@ def validate_server_args(server_args) -> None:
         from sglang_ssd.sglang.compat import check_draft_matches_target
 
         check_draft_matches_target(server_args.model_path, cfg.draft_model_path)
+    backend = getattr(server_args, "sampling_backend", None)
+    if backend is not None:
+        from sglang_ssd.saguaro.target_dist import sampler_filter_order
+
+        try:
+            sampler_filter_order(backend, need_min_p=False)
+        except ValueError as exc:
+            raise SaguaroConfigError(str(exc)) from None
     logger.info("saguaro config: %s", cfg.to_json())
 
 

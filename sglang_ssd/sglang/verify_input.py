@@ -13,6 +13,8 @@ The attention mask depends on the backend:
   calls ``custom_mask.numel()``, so None crashes there.  ``chain_full_mask`` builds the FULL_MASK
   layout NGRAM's worker builds (per request n rows x (seq_len + n) columns, row-major, requests
   concatenated): the committed prefix is all True and the n x n block is lower-triangular.
+* GPU (fa3 / fa4, SGLang's default on Hopper): causal for a chain, never reads the mask, so the
+  worker does not build it there (``verify_reads_mask``).
 """
 
 from __future__ import annotations
@@ -68,3 +70,25 @@ def build_chain_verify_input(chain: torch.Tensor, seq_lens: torch.Tensor, full_m
         retrieve_index=retrieve_index, retrieve_next_token=next_token,
         retrieve_next_sibling=next_sibling, draft_token_num=n, new_seq_lens=seq_lens,
     )
+
+
+# TARGET_VERIFY backends that never read spec_info.custom_mask for a chain (tree_topk 1): fa3 / fa4
+# (FlashAttentionBackend: causal over seq_lens + n when topk <= 1, flashattention_backend.py) and
+# torch_native (hooks.torch_native_chain_verify: causal).  Every other backend gets the mask.
+MASK_FREE_VERIFY = ("FlashAttentionBackend", "TorchNativeAttnBackend")
+
+
+def verify_reads_mask(attn_backend) -> bool:
+    """Whether the target's TARGET_VERIFY attention reads the chain's FULL custom mask (building it costs
+    about 17 bytes of temporaries per mask entry: ~130 MB per round at b = 48, 32k context, n = 5).
+    A hybrid backend is resolved to the one it verifies with; an unknown backend is assumed to read it."""
+    if attn_backend is None:
+        return True
+    select = getattr(attn_backend, "_select_backend", None)
+    if callable(select):  # HybridAttnBackend: decode or prefill backend per speculative_attention_mode
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        attn_backend = select(ForwardMode.TARGET_VERIFY)
+    if type(attn_backend).__name__ not in MASK_FREE_VERIFY:
+        return True
+    return (getattr(attn_backend, "topk", 0) or 0) > 1

@@ -26,15 +26,32 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
-from sglang_ssd.config import SaguaroConfig
-from sglang_ssd.saguaro.proposal import dequantize_proposal
-from sglang_ssd.saguaro.target_dist import is_greedy, target_probs
+from sglang_ssd.config import SaguaroConfig, resolve_draft_device
+from sglang_ssd.saguaro.target_dist import is_greedy, sampler_filter_order, target_probs
 from sglang_ssd.saguaro.verify import verify_chain, verify_chain_greedy
 from sglang_ssd.sglang import early_prefill
 from sglang_ssd.sglang.draft_link import DraftLink
-from sglang_ssd.sglang.verify_input import build_chain_verify_input
+from sglang_ssd.sglang.verify_input import build_chain_verify_input, verify_reads_mask
 
 logger = logging.getLogger(__name__)
+
+
+def sampling_backend(server_args) -> str:
+    """The backend SGLang's Sampler runs (it reads the same config bag; "pytorch" on the CPU recipe)."""
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        backend = get_exec().kernel.sampling_backend
+    except (ImportError, AttributeError, ValueError):  # context not published (a worker built in a test)
+        backend = None
+    return backend or getattr(server_args, "sampling_backend", None) or "pytorch"
+
+
+def target_gpus(server_args, gpu_id: int) -> set[int]:
+    """The GPU ids the target's model runners use: base_gpu_id + i * gpu_id_step per TP x PP rank."""
+    base, step = getattr(server_args, "base_gpu_id", 0) or 0, getattr(server_args, "gpu_id_step", 1) or 1
+    ranks = (getattr(server_args, "tp_size", 1) or 1) * (getattr(server_args, "pp_size", 1) or 1)
+    return {base + i * step for i in range(ranks)} | {gpu_id}
 
 
 class SaguaroWorker(BaseSpecWorker):
@@ -49,12 +66,20 @@ class SaguaroWorker(BaseSpecWorker):
         self.k = self.cfg.num_spec_tokens
         self.n = self.k + 1  # chain width: root + K drafts
         self.device_is_gpu = torch.device(self.device).type != "cpu"
+        # the distribution verification preserves is the one SGLang's sampler would draw from
+        self.sampling_backend = sampling_backend(server_args)
+        sampler_filter_order(self.sampling_backend, need_min_p=False)  # an unsupported backend fails here
+        self.verify_reads_mask = self.device_is_gpu and verify_reads_mask(getattr(self.model_runner, "attn_backend", None))
         if self.cfg.target_cpu_core is not None and str(self.device) == "cpu":
             os.sched_setaffinity(0, {self.cfg.target_cpu_core})
         self.vocab_size = self.model_runner.model_config.vocab_size
         eos = getattr(self.model_runner.model_config.hf_config, "eos_token_id", None)
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        self.link = DraftLink(self.cfg, self.vocab_size, eos_ids)
+        n_gpus = torch.cuda.device_count() if self.device_is_gpu else 0
+        self.cfg.draft_device, why = resolve_draft_device(self.cfg.draft_device, str(self.device),
+                                                          target_gpus(server_args, gpu_id), n_gpus)
+        (logger.warning if "SHARES" in why else logger.info)("saguaro draft device %s: %s", self.cfg.draft_device, why)
+        self.link = DraftLink(self.cfg, self.vocab_size, eos_ids, device=self.device)
         atexit.register(self.link.close)
         seed = server_args.random_seed if server_args.random_seed is not None else 0
         self.generator = torch.Generator(device=self.device).manual_seed(seed + 7919)
@@ -120,8 +145,9 @@ class SaguaroWorker(BaseSpecWorker):
         # the scheduler pre-allocated and registered these n slots per request (alloc_for_spec_decode)
         batch.out_cache_loc = self.req_to_token_pool.req_to_token[batch.req_pool_indices[:, None], cols].reshape(-1).to(torch.int64)
         batch.input_ids = chain.reshape(-1)
-        # GPU backends read the chain's causal mask from spec_info (FULL layout); torch_native does not
-        batch.spec_info = build_chain_verify_input(chain, seq_lens, full_mask=self.device_is_gpu,
+        # flashinfer / triton read the chain's causal mask from spec_info (FULL layout); fa3 (topk 1) and
+        # torch_native (our hook) verify causally without it
+        batch.spec_info = build_chain_verify_input(chain, seq_lens, full_mask=self.verify_reads_mask,
                                                    seq_lens_cpu=getattr(batch, "seq_lens_cpu", None))
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         t_verify = time.perf_counter()
@@ -138,10 +164,13 @@ class SaguaroWorker(BaseSpecWorker):
         else:
             rep = lambda t: t.reshape(-1)[:, None].expand(bs, n).reshape(-1)  # per-request -> per-position
             p = target_probs(logits.reshape(bs * n, -1), rep(temps), rep(info.top_ps.float()),
-                             rep(info.top_ks), rep(info.min_ps.float())).view(bs, n, -1)
-            q = dequantize_proposal(prop.q16).to(self.device) if prop.q16 is not None else None
+                             rep(info.top_ks), rep(info.min_ps.float()),
+                             filter_order=sampler_filter_order(self.sampling_backend,
+                                                               bool(info.need_min_p_sampling))).view(bs, n, -1)
+            # prop.q16: the draft's float16 bytes, already on this device; verify_chain dequantises them
+            # exactly as the draft did (proposal.dequantize_proposal)
             accept_lens, out_tokens = verify_chain(
-                p, prop.tokens.to(self.device), q, greedy.to(self.device),
+                p, prop.tokens.to(self.device), prop.q16, greedy.to(self.device),
                 target_argmax=target_argmax, generator=self.generator,
                 max_accept=prop.max_accept.to(self.device), q_valid=prop.q_valid.to(self.device),
             )

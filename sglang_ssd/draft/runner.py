@@ -8,7 +8,10 @@ Attention backend (``select_backend``, logged at start): on a CUDA device with f
 and a half-precision draft, FlashInfer custom-mask attention over a paged KV pool
 (flashinfer_attention.py, paged_kv.py), with CUDA graphs per (requests, tokens) bucket for the
 small forwards (cuda_graphs.py); otherwise torch SDPA over per-request caches (attention.py).
-Both consume the same per-item masks (tree.py), so the tree layout is identical.
+Both consume the same per-item masks (tree.py), so the tree layout is identical.  FlashInfer is
+warmed up (its kernels JIT-compiled and checked against SDPA) and the start-up graphs captured in
+the constructor, i.e. before the draft reports READY; a failed warm-up falls back to SDPA
+(``start_attention``).
 """
 
 from __future__ import annotations

@@ -100,10 +100,12 @@ def test_plan_batch_layout(page):
         assert torch.equal(plan.write_loc[plan.qo_indptr[r] : plan.qo_indptr[r + 1]], kv.locations(slots[r]))
     assert plan.mask_indptr.tolist() == _fi_mask_indptr(plan.qo_indptr, plan.kv_indptr, plan.last_page_len,
                                                         page).tolist()
+    packed, packed_indptr = plan.packed()
+    assert plan.packed_bytes == packed.numel() == packed_indptr[-1].item()  # the graph-buffer check's size
     for r, m in enumerate(masks):
-        seg = plan.packed_mask[plan.packed_indptr[r] : plan.packed_indptr[r + 1]]
+        seg = packed[packed_indptr[r] : packed_indptr[r + 1]]
         assert torch.equal(unpackbits_little(seg, m.numel()).view_as(m), m)
-    for dt in (plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.last_page_len, plan.packed_indptr):
+    for dt in (plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.last_page_len, packed_indptr):
         assert dt.dtype == torch.int32
 
 
@@ -115,8 +117,10 @@ def test_plan_batch_rejects_short_tables_and_bad_masks():
 
 
 def reference_paged_attention(plan, q, kpages, vpages):
-    """Attention computed from the plan alone, the way FlashInfer's paged custom-mask kernel reads it."""
+    """Attention computed from the plan alone, the way FlashInfer's paged kernel reads it: the custom
+    mask's bits, or for a causal plan its bottom-right rule (query i sees kv <= kv_len - q_len + i)."""
     page = plan.page_size
+    packed, packed_indptr = plan.packed() if not plan.causal else (None, None)
     outs = []
     for r in range(len(plan.qo_indptr) - 1):
         q0, q1 = plan.qo_indptr[r].item(), plan.qo_indptr[r + 1].item()
@@ -124,8 +128,10 @@ def reference_paged_attention(plan, q, kpages, vpages):
         kv_len = (len(pages) - 1) * page + plan.last_page_len[r].item()
         kk = kpages[pages].reshape(-1, *kpages.shape[2:])[:kv_len]   # [kv, Hkv, d]
         vv = vpages[pages].reshape(-1, *vpages.shape[2:])[:kv_len]
-        seg = plan.packed_mask[plan.packed_indptr[r] :]
-        mask = unpackbits_little(seg, (q1 - q0) * kv_len).view(q1 - q0, kv_len)
+        if plan.causal:
+            mask = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - (q1 - q0), kv_len)[:, None]
+        else:
+            mask = unpackbits_little(packed[packed_indptr[r] :], (q1 - q0) * kv_len).view(q1 - q0, kv_len)
         qq = q[q0:q1]                                                # [q, H, d]
         rep = qq.shape[1] // kk.shape[1]
         kk, vv = kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1)

@@ -79,9 +79,13 @@ def main(argv=None) -> int:
         os.replace(tmp, args.ready_file)
     cores = sorted(os.sched_getaffinity(0))
     runner = server.engine.runner
-    logger.info("READY endpoint=%s curve=%s model=%s device=%s dtype=%s attention=%s cores=%s threads=%d pid=%d "
-                "load=%.1fs", server.endpoint, server.curve, args.model, args.device,
-                str(runner.dtype).replace("torch.", ""), runner.backend, cores, torch.get_num_threads(),
+    # READY comes after DraftServer.from_model_dir, i.e. after the runner's FlashInfer warm-up (or its
+    # fallback to SDPA) and its start-up CUDA-graph capture: nothing compiles or captures in a live round
+    fallback = f" (FlashInfer fell back: {runner.backend_fallback})" if runner.backend_fallback else ""
+    logger.info("READY endpoint=%s curve=%s model=%s device=%s dtype=%s attention=%s%s cuda_graphs=%d cores=%s "
+                "threads=%d pid=%d load=%.1fs", server.endpoint, server.curve, args.model, args.device,
+                str(runner.dtype).replace("torch.", ""), runner.backend, fallback,
+                len(runner.graphs.graphs) if runner.graphs is not None else 0, cores, torch.get_num_threads(),
                 os.getpid(), time.perf_counter() - t0)
     server.serve_forever()
     return 0

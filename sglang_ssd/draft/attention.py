@@ -10,13 +10,13 @@ through the FlashInfer flat layout (tree.flatten_masks) and back to a padded den
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from sglang_ssd.draft.kv_cache import RequestKV
-from sglang_ssd.draft.tree import flat_to_dense, flatten_masks
+from sglang_ssd.draft.tree import causal_mask, flat_to_dense, flatten_masks
 
 
 @dataclass
@@ -24,7 +24,14 @@ class AttnSeq:
     kv: RequestKV
     slots: torch.Tensor   # [q_len] long: where this request's new K/V go
     kv_len: int           # attend to slots [0, kv_len)
-    mask: torch.Tensor    # bool [q_len, kv_len]
+    mask: Optional[torch.Tensor]  # bool [q_len, kv_len]; None: causal extend at slots kv_len-q..kv_len-1
+
+    def full_mask(self) -> torch.Tensor:
+        """The explicit block (a causal extend's is built here, only by the paths that need one)."""
+        if self.mask is not None:
+            return self.mask
+        q = len(self.slots)
+        return causal_mask(self.kv_len - q, q)
 
 
 class BatchAttention:
@@ -38,10 +45,11 @@ class BatchAttention:
         for n in self.q_lens:
             self.offsets.append(self.offsets[-1] + n)
         self.slots = [s.slots.to(device) for s in self.seqs]
-        for s, ql in zip(self.seqs, self.q_lens):
-            if tuple(s.mask.shape) != (ql, s.kv_len):
-                raise ValueError(f"mask {tuple(s.mask.shape)} != (q_len, kv_len) = ({ql}, {s.kv_len})")
-        flat, _ = flatten_masks([s.mask for s in self.seqs])
+        masks = [s.full_mask() for s in self.seqs]
+        for m, s, ql in zip(masks, self.seqs, self.q_lens):
+            if tuple(m.shape) != (ql, s.kv_len):
+                raise ValueError(f"mask {tuple(m.shape)} != (q_len, kv_len) = ({ql}, {s.kv_len})")
+        flat, _ = flatten_masks(masks)
         # [N, 1, max_q, max_kv]: broadcast over heads
         self.mask = flat_to_dense(flat.to(device), self.q_lens, self.kv_lens).unsqueeze(1)
 

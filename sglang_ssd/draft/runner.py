@@ -8,7 +8,10 @@ Attention backend (``select_backend``, logged at start): on a CUDA device with f
 and a half-precision draft, FlashInfer custom-mask attention over a paged KV pool
 (flashinfer_attention.py, paged_kv.py), with CUDA graphs per (requests, tokens) bucket for the
 small forwards (cuda_graphs.py); otherwise torch SDPA over per-request caches (attention.py).
-Both consume the same per-item masks (tree.py), so the tree layout is identical.
+Both consume the same per-item masks (tree.py), so the tree layout is identical.  FlashInfer is
+warmed up (its kernels JIT-compiled and checked against SDPA) and the start-up graphs captured in
+the constructor, i.e. before the draft reports READY; a failed warm-up falls back to SDPA
+(``start_attention``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from sglang_ssd.draft.attention import AttnSeq, BatchAttention
 from sglang_ssd.draft.flashinfer_attention import select_backend
 from sglang_ssd.draft.kv_cache import RequestKV
 from sglang_ssd.draft.model import CausalLM, load_model
-from sglang_ssd.draft.tree import causal_mask
 
 logger = logging.getLogger(__name__)
 
@@ -49,16 +51,17 @@ class ForwardItem:
     positions: torch.Tensor   # [q] long (RoPE)
     slots: torch.Tensor       # [q] long (KV slots written)
     kv_len: int               # attend to slots [0, kv_len)
-    mask: torch.Tensor        # bool [q, kv_len]
+    mask: Optional[torch.Tensor]  # bool [q, kv_len]; None: causal extend (slots kv_len-q..kv_len-1)
     n_logits: int = 1         # logits for the last n_logits rows
 
     @classmethod
     def extend(cls, kv: RequestKV, tokens: Sequence[int], start: int, n_logits: int = 1) -> "ForwardItem":
-        """Causal extend: tokens at slots = positions start..start+q-1, each seeing every slot up to itself."""
+        """Causal extend: tokens at slots = positions start..start+q-1, each seeing every slot up to
+        itself.  mask None: its [q, start+q] block is built only by a path that needs it (SDPA, a
+        graph, a batch mixed with tree items); an all-extend FlashInfer batch runs causal=True."""
         q = len(tokens)
         idx = torch.arange(start, start + q)
-        return cls(kv, torch.as_tensor(list(tokens), dtype=torch.long), idx, idx, start + q,
-                   causal_mask(start, q), n_logits)
+        return cls(kv, torch.as_tensor(list(tokens), dtype=torch.long), idx, idx, start + q, None, n_logits)
 
 
 class DraftRunner:
@@ -81,19 +84,69 @@ class DraftRunner:
             self.cols = model.head_ids.to(self.device)
             self._col_of = torch.full((self.cfg.vocab_size,), -1, dtype=torch.long, device=self.device)
             self._col_of[self.cols] = torch.arange(self.cols.numel(), device=self.device)
-        self.backend = select_backend(self.device, attention, self.dtype)
         self.pool = self.workspace = self.graphs = None
-        if self.backend == "flashinfer":  # GPU only (UNVERIFIED on hardware: see flashinfer_attention.py)
-            from sglang_ssd.draft.cuda_graphs import GraphRunner
-            from sglang_ssd.draft.flashinfer_attention import FlashInferWorkspace, pool_pages_for
+        self.backend_fallback: Optional[str] = None  # why FlashInfer was selected but not kept
+        self.backend = "sdpa"
+        self.start_attention(select_backend(self.device, attention, self.dtype), cuda_graphs, page_size,
+                             pool_tokens)
+
+    def start_attention(self, backend: str, cuda_graphs: bool = True, page_size: int = PAGE_SIZE,
+                        pool_tokens: int = POOL_TOKENS) -> str:
+        """Bring up `backend` on this runner's device and return the backend in use.
+
+        FlashInfer compiles its kernels on first use (flashinfer 0.7.2's JIT; SGLang pulls no
+        prebuilt cubins), which fails without nvcc and takes long with it.  So its set-up runs the
+        dummy forwards of flashinfer_attention.warm_up_flashinfer (causal and tree-mask variants) here,
+        before the draft reports READY, and if anything in it raises the runner falls back to SDPA
+        with one WARNING naming the cause -- the first compile never happens inside a live round.
+        CUDA graphs are then captured for the start-up buckets (cuda_graphs.GraphRunner.capture_startup);
+        a capture failure turns graphs off (FlashInfer eager stays)."""
+        if backend != "flashinfer":
+            self.backend = backend
+            return backend
+        from sglang_ssd.draft.flashinfer_attention import FlashInferWorkspace, pool_pages_for, warm_up_flashinfer
+
+        try:  # GPU only (UNVERIFIED on hardware: see flashinfer_attention.py)
             from sglang_ssd.draft.paged_kv import PagedKVPool
 
             c = self.cfg
             self.pool = PagedKVPool(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device,
                                     page_size, pool_pages_for(pool_tokens, page_size))
             self.workspace = FlashInferWorkspace(self.device)
-            self.graphs = GraphRunner(model, self.pool, self.device) if cuda_graphs else None
-            logger.info("draft CUDA graphs: %s", "on (captured per bucket on first use)" if cuda_graphs else "off")
+            warm_up_flashinfer(self.pool, self.workspace, c.num_heads)
+        except Exception as exc:
+            self.pool = self.workspace = None
+            self.backend, self.backend_fallback = "sdpa", f"{type(exc).__name__}: {exc}"
+            logger.warning("draft attention: FlashInfer warm-up failed on %s (%s); falling back to SDPA",
+                           self.device, self.backend_fallback)
+            return self.backend
+        self.backend = "flashinfer"
+        if cuda_graphs:
+            self._start_graphs()
+        else:
+            logger.info("draft CUDA graphs: off")
+        return self.backend
+
+    def _start_graphs(self) -> None:
+        from sglang_ssd.draft.cuda_graphs import GraphRunner, graph_budget_bytes
+
+        try:
+            self.graphs = GraphRunner(self.model, self.pool, self.device)
+            self.graphs.capture_startup(graph_budget_bytes())
+        except Exception as exc:  # e.g. out of memory: eager FlashInfer still works
+            self.graphs = None
+            logger.warning("draft CUDA graphs: start-up capture failed (%s: %s); running eager",
+                           type(exc).__name__, exc)
+
+    def health(self) -> dict[str, float]:
+        """Numbers for the draft's Health reply: which attention runs, whether FlashInfer fell back
+        (the reason is in the WARNING log line), and the CUDA graphs held."""
+        g = self.graphs
+        return {"attention_flashinfer": int(self.backend == "flashinfer"),
+                "attention_fallback": int(self.backend_fallback is not None),
+                "cuda_graphs": len(g.graphs) if g is not None else 0,
+                "cuda_graph_replays": g.replays if g is not None else 0,
+                "cuda_graph_mem_mb": g.startup_bytes / 2**20 if g is not None else 0.0}
 
     @classmethod
     def from_dir(cls, model_dir: str, device: str = "cpu", dtype: str | torch.dtype = "auto",
@@ -133,8 +186,9 @@ class DraftRunner:
         for it in items:
             it.kv.ensure(max(it.kv_len, int(it.slots.max()) + 1))
         dev = self.device
-        ids = torch.cat([it.tokens for it in items]).to(dev)
-        pos = torch.cat([it.positions for it in items]).to(dev)
+        # non_blocking: a pageable host->device copy is staged at once, without waiting for the device
+        ids = torch.cat([it.tokens for it in items]).to(dev, non_blocking=True)
+        pos = torch.cat([it.positions for it in items]).to(dev, non_blocking=True)
         seqs = [AttnSeq(it.kv, it.slots, it.kv_len, it.mask) for it in items]
         hidden = self.graphs.run(seqs, ids, pos) if self.graphs is not None else None
         if hidden is None:  # eager: no graphs, or no bucket fits (prefill chunks)
@@ -145,7 +199,7 @@ class DraftRunner:
             q = len(it.tokens)
             rows.append(torch.arange(off + q - it.n_logits, off + q))
             off += q
-        h = hidden[torch.cat(rows).to(dev)]
+        h = hidden[torch.cat(rows).to(dev, non_blocking=True)]
         logits = self.model.head_logits(h) if cols else self.model.logits(h)
         self.forward_calls += 1
         self.forward_tokens += off

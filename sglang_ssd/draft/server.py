@@ -200,6 +200,7 @@ class DraftServer:
             return e.release(msg)
         if isinstance(msg, Health):
             stats = e.health()
+            stats.update(e.runner.health())  # attention backend, FlashInfer fallback, CUDA graphs
             stats.update(protocol_errors=self.protocol_errors, handler_errors=self.handler_errors,
                          refused_peers=self.refused_peers,
                          sglang_imported=int(any(m == "sglang" or m.startswith("sglang.") for m in sys.modules)))

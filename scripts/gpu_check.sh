@@ -140,7 +140,7 @@ if [ "$MODE" = dry ]; then
   t=$(date +%s); run_step $(( PLAN_S * X )) "$PY" -m pytest --collect-only -q -p no:cacheprovider $GPU_TESTS \
     >"$PAIR/collect.txt" 2>&1
   collect_rc=$?
-  [ "$collect_rc" -eq 0 ] && tail -1 "$PAIR/collect.txt" || tail -30 "$PAIR/collect.txt"
+  [ "$collect_rc" -eq 0 ] && grep -E "collected|deselected|skipped" "$PAIR/collect.txt" | tail -1 || tail -30 "$PAIR/collect.txt"
   echo "[gpu_check] 4/4 GPU tests collect: rc=$collect_rc in $(secs_since "$t")s (real run budget ${TESTS_S}s)"
   echo "[gpu_check] dry run done in $(secs_since "$start")s: plan rc=$plan_rc, collect rc=$collect_rc"
   [ "$collect_rc" -eq 0 ]

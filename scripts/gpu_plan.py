@@ -23,6 +23,9 @@ import os
 import shlex
 import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from sglang_ssd.serving import SGLangServer  # noqa: E402
+
 TOTAL_S = 600  # 10 minutes on one H200
 STEP_S = {"preflight": 20, "synth": 30, "plan": 30, "tests": 150}  # before the servers
 BENCH_GRACE_S = 20  # gpu_bench's own start-up and the servers' stops, on top of the server budgets
@@ -70,9 +73,8 @@ def server_plan(pair: str, k: int = 4, n_gpu: int = 1, out: str = "results",
 
 
 def launch_argv(entry: dict, port: int = 30000) -> list[str]:
-    """The argv sglang.launch_server gets from sglang_ssd.serving.SGLangServer.start (same order)."""
-    return ["--model-path", entry["model"], "--host", "127.0.0.1", "--port", str(port),
-            "--skip-server-warmup", *entry["args"]]
+    """The argv sglang.launch_server gets from sglang_ssd.serving.SGLangServer.start."""
+    return SGLangServer.launch_argv(entry["model"], port, entry["args"])
 
 
 def bench_budget_s(plan: list[dict]) -> int:

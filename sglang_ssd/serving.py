@@ -52,16 +52,28 @@ class SGLangServer:
         self.proc: Optional[subprocess.Popen] = None
         self._log = None
 
+    @staticmethod
+    def launch_argv(model_path: str, port: int, extra_args: list[str]) -> list[str]:
+        """The arguments the launcher module gets (scripts/gpu_plan.py parses exactly these)."""
+        return ["--model-path", model_path, "--host", "127.0.0.1", "--port", str(port),
+                "--skip-server-warmup", *extra_args]
+
     def start(self) -> "SGLangServer":
         module = "sglang_ssd.launch_cpu" if cpu_machine() else "sglang.launch_server"
-        cmd = [sys.executable, "-m", module, "--model-path", self.model_path, "--host", "127.0.0.1",
-               "--port", str(self.port), "--skip-server-warmup", *self.extra_args]
+        cmd = [sys.executable, "-m", module, *self.launch_argv(self.model_path, self.port, self.extra_args)]
         if self.cpu_core is not None:
             cmd = ["taskset", "-c", str(self.cpu_core)] + cmd
         self._log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         logger.info("starting: %s", " ".join(cmd))
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
+        try:
+            return self._wait_healthy()
+        except BaseException:  # a failed or interrupted start-up (SystemExit from a SIGTERM handler too)
+            self.stop()        # must not leave the server's process group behind: __exit__ never runs
+            raise
+
+    def _wait_healthy(self) -> "SGLangServer":
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -73,7 +85,6 @@ class SGLangServer:
             except requests.RequestException:
                 pass
             time.sleep(1.0)
-        self.stop()
         raise TimeoutError(f"server not healthy after {self.startup_timeout}s")
 
     def generate(self, text=None, input_ids=None, sampling_params: Optional[dict] = None,

@@ -1,10 +1,14 @@
 import os
 
 import pytest
+import torch
 
 from sglang_ssd import paths
 
-os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+# SGLang's CPU recipe (SGLANG_USE_CPU_ENGINE selects its CPU platform); on a CUDA machine (gpu_check's
+# GPU tests) SGLang must keep its CUDA platform
+if not torch.cuda.is_available():
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 
 def _prepared(path: str) -> str:

@@ -14,8 +14,9 @@
 #   1 preflight  packages, CUDA devices, nvcc / flashinfer-jit-cache / flashinfer-cubin (gpu_env.py)
 #   2 synth      synthetic Llama target + equal / noisy drafts (make_synthetic_pair.py, on CPU)
 #   3 plan       every server's command line parsed by SGLang's own parser + saguaro's validation
-#   4 tests      the GPU tests (FlashInfer vs SDPA, CUDA-graph replay vs eager, verify input)
-#   5 bench      AR / SD / SSD servers and the flashinfer / triton SSD cells (gpu_bench.py)
+#   4 warm       the draft's FlashInfer kernels JIT-compiled once, as a served draft does (gpu_warm.py)
+#   5 tests      the GPU tests (FlashInfer vs SDPA, CUDA-graph replay vs eager, verify input)
+#   6 bench      AR / SD / SSD servers and the flashinfer / triton SSD cells (gpu_bench.py)
 # -> results/gpu_check.{json,md} (+ gpu_check_env.json, gpu_check_pytest.txt, one log per server).
 # With one GPU the draft shares it with the target and the results say so (SSD is a lower bound).
 # Environment: GPU_CHECK_OUT (default results), GPU_CHECK_PAIR (keep the synthetic pair there; default
@@ -85,7 +86,7 @@ if [ "$MODE" = run ] && ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.
   exit 0
 fi
 budgets=$("$PY" scripts/gpu_plan.py budgets) || { echo "gpu_check: FAILED: scripts/gpu_plan.py budgets ($PY)"; exit 2; }
-eval "$budgets"  # PREFLIGHT_S SYNTH_S PLAN_S TESTS_S BENCH_S TOTAL_S
+eval "$budgets"  # PREFLIGHT_S SYNTH_S PLAN_S WARM_S TESTS_S BENCH_S TOTAL_S
 
 RUN_ID="$(date +%Y%m%d-%H%M%S)-$$"
 export "$RUN_ENV=$RUN_ID"
@@ -137,6 +138,11 @@ if [ "$MODE" = dry ]; then
   plan_rc=$?
   echo "[gpu_check] 3/4 plan: rc=$plan_rc in $(secs_since "$t")s (budget ${PLAN_S}s)"
   [ "$plan_rc" -eq 0 ] || { echo "gpu_check: FAILED: a planned server command line is rejected (see above)"; exit 1; }
+  t=$(date +%s); run_step $(( WARM_S * X )) "$PY" scripts/gpu_warm.py "$PAIR" --device cpu >"$PAIR/warm.txt" 2>&1
+  warm_rc=$?
+  grep "\[gpu_warm\]" "$PAIR/warm.txt" || tail -20 "$PAIR/warm.txt"
+  echo "[gpu_check] warm-up script on the CPU (SDPA; the real run compiles FlashInfer): rc=$warm_rc in $(secs_since "$t")s"
+  [ "$warm_rc" -eq 0 ] || { echo "gpu_check: FAILED: scripts/gpu_warm.py (rc $warm_rc)"; exit 1; }
   t=$(date +%s); run_step $(( PLAN_S * X )) "$PY" -m pytest --collect-only -q -p no:cacheprovider $GPU_TESTS \
     >"$PAIR/collect.txt" 2>&1
   collect_rc=$?
@@ -149,24 +155,28 @@ fi
 
 mkdir -p "$OUT"
 echo "[gpu_check] $(nvidia-smi -L | head -4 | tr '\n' ';')"
-echo "[gpu_check] 1/5 preflight (budget ${PREFLIGHT_S}s)"
+echo "[gpu_check] 1/6 preflight (budget ${PREFLIGHT_S}s)"
 run_step "$PREFLIGHT_S" "$PY" scripts/gpu_env.py --require --out "$OUT/gpu_check_env.json"
 rc=$?
 [ "$rc" -eq 0 ] || { echo "gpu_check: FAILED: preflight (rc $rc; see above)"; exit 2; }
-echo "[gpu_check] 2/5 synthetic pair -> $PAIR (budget ${SYNTH_S}s)"
+echo "[gpu_check] 2/6 synthetic pair -> $PAIR (budget ${SYNTH_S}s)"
 run_step "$SYNTH_S" "$PY" scripts/make_synthetic_pair.py "$PAIR" || { echo "gpu_check: FAILED: make_synthetic_pair"; exit 1; }
 n_gpu=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
-echo "[gpu_check] 3/5 server command lines (budget ${PLAN_S}s)"
+echo "[gpu_check] 3/6 server command lines (budget ${PLAN_S}s)"
 run_step "$PLAN_S" "$PY" scripts/gpu_plan.py check "$PAIR" --n-gpu "$n_gpu" --out "$OUT" --server-args="$SERVER_ARGS" \
   || { echo "gpu_check: FAILED: a planned server command line is rejected (see above)"; exit 1; }
 
-echo "[gpu_check] 4/5 GPU tests (budget ${TESTS_S}s)"
+echo "[gpu_check] 4/6 draft FlashInfer warm-up / JIT compile (budget ${WARM_S}s)"
+run_step "$WARM_S" "$PY" scripts/gpu_warm.py "$PAIR" --out "$OUT/gpu_check_warm.json" \
+  || echo "[gpu_check] warm-up failed or over budget: the first FlashInfer use will compile (see above)"
+
+echo "[gpu_check] 5/6 GPU tests (budget ${TESTS_S}s)"
 run_step "$TESTS_S" "$PY" -m pytest -q -rs -p no:cacheprovider $GPU_TESTS >"$OUT/gpu_check_pytest.txt" 2>&1
 test_rc=$?
 tail -25 "$OUT/gpu_check_pytest.txt"
 summary=$(tail -1 "$OUT/gpu_check_pytest.txt")
 
-echo "[gpu_check] 5/5 AR / SD / SSD servers (budget ${BENCH_S}s)"
+echo "[gpu_check] 6/6 AR / SD / SSD servers (budget ${BENCH_S}s)"
 run_step "$BENCH_S" "$PY" scripts/gpu_bench.py "$PAIR" --out "$OUT" --env-json "$OUT/gpu_check_env.json" \
   --server-args="$SERVER_ARGS" \
   --pytest-rc "$test_rc" --pytest-summary "$summary"

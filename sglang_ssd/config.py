@@ -46,7 +46,9 @@ round_deadline_s       ``SGLANG_SSD_CONFIG["round_deadline_s"]``   1.0: longest 
                                                                    for a round's drafts; past it
                                                                    the round decodes target-only
                                                                    and the link reconnects
-startup_timeout_s      ``SGLANG_SSD_CONFIG["startup_timeout_s"]``  120
+startup_timeout_s      ``SGLANG_SSD_CONFIG["startup_timeout_s"]``  null: 120 for a CPU draft, 900 for a
+                                                                   CUDA one (its first start JIT-compiles
+                                                                   FlashInfer before READY)
 stats_interval         ``SGLANG_SSD_CONFIG["stats_interval"]``     50 rounds between log lines
 stats_file             ``SGLANG_SSD_CONFIG["stats_file"]``         null; else JSON stats, every round
 =====================  ==========================================  =========================
@@ -93,7 +95,7 @@ class SaguaroConfig:
     draft_threads: int = 1
     draft_timeout_s: float = 60.0
     round_deadline_s: float = 1.0
-    startup_timeout_s: float = 120.0
+    startup_timeout_s: Optional[float] = None  # draft_startup_timeout()
     stats_interval: int = 50
     stats_file: Optional[str] = None
 
@@ -162,7 +164,9 @@ class SaguaroConfig:
             raise SaguaroConfigError(f"{ENV_VAR} key 'draft_threads' must be an integer >= 1")
         for key in ("draft_timeout_s", "round_deadline_s", "startup_timeout_s"):
             v = getattr(self, key)
-            if not isinstance(v, (int, float)) or v <= 0:
+            if v is None and key == "startup_timeout_s":
+                continue
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
                 raise SaguaroConfigError(f"{ENV_VAR} key {key!r} must be a positive number of seconds, got {v!r}")
         if not isinstance(self.stats_interval, int) or self.stats_interval < 1:
             raise SaguaroConfigError(f"{ENV_VAR} key 'stats_interval' must be an integer >= 1")
@@ -190,6 +194,13 @@ class SaguaroConfig:
                 curve.check_key_dir(self.curve_keys, curve.SERVER)
         except curve.CurveKeyError as exc:
             raise SaguaroConfigError(f"{ENV_VAR} key 'curve_keys': {exc}") from None
+
+    def draft_startup_timeout(self) -> float:
+        """How long the worker waits for a spawned draft's READY: a CUDA draft's first start compiles
+        flashinfer's kernels (JIT, cached on disk afterwards), which can take minutes."""
+        if self.startup_timeout_s is not None:
+            return float(self.startup_timeout_s)
+        return 900.0 if str(self.draft_device).startswith("cuda") else 120.0
 
     @property
     def budget(self) -> int:

@@ -135,6 +135,15 @@ def test_draft_device_auto(draft_path):
     assert dev == "cuda:0" and "SHARES" in why                                  # one GPU: shared, logged
     assert resolve_draft_device("cuda:3", "cuda", {0}, 8) == ("cuda:3", "configured")
     assert resolve_draft_device("cpu", "cuda", {0}, 8)[0] == "cpu"
+    # READY wait: a CUDA draft compiles flashinfer's kernels before READY on its first start
+    cfg = SaguaroConfig.from_sources(draft_path, 4, env={})
+    assert cfg.startup_timeout_s is None and cfg.draft_startup_timeout() == 120.0
+    cfg.draft_device = "cuda:1"
+    assert cfg.draft_startup_timeout() == 900.0
+    assert SaguaroConfig.from_sources(draft_path, 4, env={"SGLANG_SSD_CONFIG": '{"startup_timeout_s": 30}'}
+                                      ).draft_startup_timeout() == 30.0
+    with pytest.raises(SaguaroConfigError, match="startup_timeout_s"):
+        SaguaroConfig.from_sources(draft_path, 4, env={"SGLANG_SSD_CONFIG": '{"startup_timeout_s": 0}'})
     from types import SimpleNamespace
 
     from sglang_ssd.sglang.worker import target_gpus

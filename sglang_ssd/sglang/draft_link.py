@@ -111,7 +111,7 @@ class DraftLink:
                                            curve_keys=self.cfg.curve_keys)
             # at startup wait for the draft to load; later (serving) try once, briefly: rounds keep
             # decoding with the target alone meanwhile, and the next try comes after a backoff
-            deadline = time.monotonic() + (self.cfg.startup_timeout_s if startup else 0.0)
+            deadline = time.monotonic() + (self.cfg.draft_startup_timeout() if startup else 0.0)
             while True:
                 try:
                     info = self.client.hello(k=self.k, mode=self.cfg.mode, fan_out=self.cfg.fan_out,

@@ -6,8 +6,10 @@ Two kinds of jobs, interleaved in a fixed seeded order (so a stopped run resumes
         (pydoc_data.topics), standard-library source files, package READMEs (dist-info METADATA) and
         /usr/share/doc text; 4 windows x 256 tokens per job, every position labelled.
   gen   the target's own answers to programmatic prompts of four kinds (chat through the chat template,
-        code, math, factual completions; none equal to a held-out prompt), 48 per job, up to 96 new tokens
-        sampled at T in {0, 0.7, 1.0}; each generated position labelled with the target's T=1 distribution.
+        code, math, factual completions; none equal to a held-out prompt), 512 per job (a static-KV
+        batched loop, scripts/fast_generate.py), up to 96 new tokens; every prompt is answered
+        once per pass, the passes at T = 1, 0.7, 0, 1; each generated position labelled with the
+        target's T=1 distribution.
 
 Every job writes one shard (safetensors): tokens int32 [N] (all sequences of the job, concatenated),
 offsets int64 [S+1], label_pos int64 [M] (index into tokens of each labelled position: the label is the
@@ -37,15 +39,20 @@ from safetensors.torch import load_file, save_file
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from sglang_ssd import paths  # noqa: E402
+from fast_generate import StaticBatchGenerator  # noqa: E402
 from prompts_train import train_prompts  # noqa: E402
+from sglang_ssd.draft.model import load_model  # noqa: E402
 
 log = logging.getLogger("draft_data")
 TOPK = 32
 WINDOW = 256
 TEXT_BATCH = 4
-GEN_BATCH = 48
+GEN_BATCH = 512  # prompts per generation job, answered GEN_ROWS at a time (rows refilled as answers end)
+GEN_ROWS = 128   # fast_generate's static batch (results/gen_speed.md)
 GEN_TOKENS = 96
-# job pattern: one generation job (48 prompts, ~3.5k positions) per four text jobs (4k positions)
+# temperature of each pass over the prompts (T = 1 twice: two different samples), ~4 x 6k answers in all
+GEN_PASSES = (1.0, 0.7, 0.0, 1.0)
+# job pattern: one generation job (512 prompts, up to 49k positions) per four text jobs (4k positions)
 PATTERN = ("gen", "text", "text", "text", "text")
 
 
@@ -128,39 +135,20 @@ def score_text(target, windows: list[list[int]]) -> dict:
             "label_pos": torch.arange(n, dtype=torch.int64), "topk_ids": idx, "topk_p": val}
 
 
-@torch.inference_mode()
-def generate(target, tok, prompts: list[list[int]], temperature: float, seed: int) -> dict:
-    torch.manual_seed(seed)
-    pad = tok.pad_token_id
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):  # left padding
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
-    out = target.generate(ids, attention_mask=mask, max_new_tokens=GEN_TOKENS, pad_token_id=pad,
-                          eos_token_id=tok.eos_token_id, output_logits=True, return_dict_in_generate=True, **kw)
-    logits = torch.stack(out.logits, dim=1)  # [B, steps, V]: raw logits of each generated position
-    gen = out.sequences[:, width:]
-    toks, offsets, label_pos, all_idx, all_val = [], [0], [], [], []
-    for i, p in enumerate(prompts):
-        g = gen[i].tolist()
-        n = len(g)
-        if tok.eos_token_id in g:
-            n = g.index(tok.eos_token_id) + 1  # keep the EOS: predicting it is part of the distribution
-        seq = p + g[:n]
+def generate(gen, tok, prompts: list[list[int]], temperature: float, seed: int) -> dict:
+    """The target's own answers (fast_generate.StaticBatchGenerator), labelled with its T = 1 top-k."""
+    out = gen.generate(prompts, GEN_TOKENS, temperature, seed, eos_id=tok.eos_token_id, topk=TOPK, batch=GEN_ROWS)
+    toks, offsets, label_pos = [], [0], []
+    for p, g in zip(prompts, out.tokens):
+        seq = p + g
         start = offsets[-1]
-        # position of the token before generated token j is len(p) - 1 + j
-        label_pos += [start + len(p) - 1 + j for j in range(n)]
-        idx, val = topk_of(logits[i, :n])
-        all_idx.append(idx)
-        all_val.append(val)
+        # the token before generated token j sits at len(p) - 1 + j (EOS kept: predicting it is part of p)
+        label_pos += [start + len(p) - 1 + j for j in range(len(g))]
         toks += seq
         offsets.append(start + len(seq))
     return {"tokens": torch.tensor(toks, dtype=torch.int32), "offsets": torch.tensor(offsets, dtype=torch.int64),
-            "label_pos": torch.tensor(label_pos, dtype=torch.int64), "topk_ids": torch.cat(all_idx),
-            "topk_p": torch.cat(all_val)}
+            "label_pos": torch.tensor(label_pos, dtype=torch.int64), "topk_ids": torch.cat(out.topk_ids),
+            "topk_p": torch.cat(out.topk_p)}
 
 
 # ----------------------------------------------------------------------------------------------- driver
@@ -171,7 +159,8 @@ def run(minutes: float, seed: int, threads: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tdir = paths.target_path()
     tok = AutoTokenizer.from_pretrained(tdir)
-    target = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()  # text scoring
+    gen = StaticBatchGenerator(load_model(tdir))  # the target's own answers, static KV (fast_generate.py)
     windows = text_windows(tok, seed)
     prompts = train_prompts(tok, seed)
     log.info("job pool: %d text windows, %d generation prompts", len(windows), len(prompts))
@@ -180,14 +169,17 @@ def run(minutes: float, seed: int, threads: int) -> None:
     deadline = time.time() + minutes * 60
     ti = gi = job = 0
     t_start, pos_new = time.time(), 0
-    temps = (0.0, 0.7, 1.0)
+    n_gen = len(prompts) * len(GEN_PASSES)  # answer slots: every prompt once per pass
     while time.time() < deadline:
         kind = PATTERN[job % len(PATTERN)]
         path = out / f"shard_{job:05d}_{kind}.safetensors"
         if kind == "text":
             batch, ti = windows[ti:ti + TEXT_BATCH], ti + TEXT_BATCH
-        else:
-            batch, gi = prompts[gi:gi + GEN_BATCH], gi + GEN_BATCH
+        else:  # a job stays inside one pass (one temperature)
+            first = gi % len(prompts) if gi < n_gen else len(prompts)
+            batch = prompts[first:first + GEN_BATCH]
+            temp = GEN_PASSES[min(gi // len(prompts), len(GEN_PASSES) - 1)]
+            gi += len(batch)
         if not batch:
             log.info("%s pool exhausted", kind)
             break
@@ -195,7 +187,7 @@ def run(minutes: float, seed: int, threads: int) -> None:
             if kind == "text":
                 shard = score_text(target, batch)
             else:
-                shard = generate(target, tok, batch, temps[(gi // GEN_BATCH) % 3], seed * 100003 + job)
+                shard = generate(gen, tok, batch, temp, seed * 100003 + job)
             tmp = path.with_suffix(".tmp")
             save_file(shard, str(tmp))
             os.replace(tmp, path)

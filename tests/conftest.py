@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 import torch
@@ -32,3 +33,16 @@ def draft_path() -> str:
 def lens_draft_path() -> str:
     """The correctness-grade draft (22 target layers + tuned-lens head), a plain transformers checkpoint."""
     return _prepared(paths.lens_draft_path())
+
+
+@pytest.fixture(scope="module")
+def synthetic_pair(tmp_path_factory) -> str:
+    """A minute synthetic target + equal / noisy drafts (scripts/make_synthetic_pair.py): the GPU scripts'
+    pair, small enough that their CPU tests build it in a second."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import make_synthetic_pair
+
+    out = tmp_path_factory.mktemp("pair")
+    assert make_synthetic_pair.main([str(out), "--hidden", "64", "--layers", "1", "--heads", "2",
+                                     "--kv-heads", "1"]) == 0
+    return str(out)

@@ -23,15 +23,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_plan  # noqa: E402
-import make_synthetic_pair  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("pair")
-    assert make_synthetic_pair.main([str(out), "--hidden", "64", "--layers", "1", "--heads", "2",
-                                     "--kv-heads", "1"]) == 0
-    return str(out)
 
 
 def tagged(run_id: str) -> set[int]:
@@ -59,17 +51,17 @@ def wait_until(cond, limit_s: float, what: str):
     raise AssertionError(f"not within {limit_s}s: {what}")
 
 
-def bench_cmd(pair: str, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(ROOT / "scripts" / "gpu_bench.py"), pair, "--out", str(out), "--only", "AR", *extra]
+def bench_cmd(synthetic_pair: str, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, str(ROOT / "scripts" / "gpu_bench.py"), synthetic_pair, "--out", str(out), "--only", "AR", *extra]
 
 
 def bench_env(run_id: str) -> dict:
     return dict(os.environ, PYTHONPATH=str(ROOT), **{gpu_plan.RUN_ENV: run_id})
 
 
-def start_bench(pair: str, out: Path, run_id: str) -> tuple[subprocess.Popen, int]:
+def start_bench(synthetic_pair: str, out: Path, run_id: str) -> tuple[subprocess.Popen, int]:
     """gpu_bench on the AR server; returns once that server process exists (it is then importing SGLang)."""
-    bench = subprocess.Popen(bench_cmd(pair, out), cwd=ROOT, env=bench_env(run_id), stdout=subprocess.PIPE,
+    bench = subprocess.Popen(bench_cmd(synthetic_pair, out), cwd=ROOT, env=bench_env(run_id), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
     try:
         servers = wait_until(lambda: bench.poll() is None and tagged(run_id) - {bench.pid} or bench.poll() is not None,
@@ -90,9 +82,9 @@ def stop_leftovers(run_id: str) -> None:
             pass
 
 
-def test_sigterm_stops_the_server(pair, tmp_path):
+def test_sigterm_stops_the_server(synthetic_pair, tmp_path):
     run_id = f"test-{uuid.uuid4().hex[:8]}"
-    bench, server = start_bench(pair, tmp_path / "out", run_id)
+    bench, server = start_bench(synthetic_pair, tmp_path / "out", run_id)
     try:
         os.kill(server, 0)  # alive when the signal comes: what follows is gpu_bench's doing
         bench.send_signal(signal.SIGTERM)
@@ -108,11 +100,11 @@ def test_sigterm_stops_the_server(pair, tmp_path):
         stop_leftovers(run_id)
 
 
-def test_sigkill_orphans_the_server_and_kill_run_stops_it(pair, tmp_path):
+def test_sigkill_orphans_the_server_and_kill_run_stops_it(synthetic_pair, tmp_path):
     """The negative control (no handler can run on SIGKILL: the server survives its parent) and the
     script's cleanup of what a killed run left behind."""
     run_id = f"test-{uuid.uuid4().hex[:8]}"
-    bench, server = start_bench(pair, tmp_path / "out", run_id)
+    bench, server = start_bench(synthetic_pair, tmp_path / "out", run_id)
     try:
         bench.kill()
         bench.wait(30)
@@ -128,12 +120,12 @@ def test_sigkill_orphans_the_server_and_kill_run_stops_it(pair, tmp_path):
         stop_leftovers(run_id)
 
 
-def test_a_server_over_its_budget_is_stopped_and_recorded(pair, tmp_path):
+def test_a_server_over_its_budget_is_stopped_and_recorded(synthetic_pair, tmp_path):
     """The per-server budget: a server still starting when its time is up is stopped, its cells say so,
     and gpu_bench goes on (here: to the end, exit 1 as a cell failed)."""
     run_id = f"test-{uuid.uuid4().hex[:8]}"
     try:
-        proc = subprocess.run(bench_cmd(pair, tmp_path / "out", "--server-budget-s", "2"), cwd=ROOT,
+        proc = subprocess.run(bench_cmd(synthetic_pair, tmp_path / "out", "--server-budget-s", "2"), cwd=ROOT,
                               env=bench_env(run_id), capture_output=True, text=True, timeout=120)
         assert proc.returncode == 1, proc.stdout + proc.stderr
         assert "AR: over its 2 s budget, stopped" in proc.stderr

@@ -18,15 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_plan  # noqa: E402
-import make_synthetic_pair  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("pair")
-    assert make_synthetic_pair.main([str(out), "--hidden", "64", "--layers", "1", "--heads", "2",
-                                     "--kv-heads", "1"]) == 0
-    return str(out)
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +31,8 @@ def _entry(plan, name):
 
 
 @pytest.mark.parametrize("n_gpu", [1, 2])
-def test_every_planned_server_parses(pair, n_gpu):
-    plan = gpu_plan.server_plan(pair, k=4, n_gpu=n_gpu, out="results")
+def test_every_planned_server_parses(synthetic_pair, n_gpu):
+    plan = gpu_plan.server_plan(synthetic_pair, k=4, n_gpu=n_gpu, out="results")
     results = gpu_plan.check_plan(plan)
     assert results == {e["name"]: None for e in plan}
     # the plan covers AR, SD and SSD (the noisy draft), SSD with the equal one (acceptance ~1), and SSD
@@ -56,9 +48,9 @@ def test_every_planned_server_parses(pair, n_gpu):
             assert json.loads(e["env"][gpu_plan.CONFIG_ENV])["draft_device"] == draft_dev
 
 
-def test_the_old_cuda_graph_flag_is_rejected(pair, loaded):
+def test_the_old_cuda_graph_flag_is_rejected(synthetic_pair, loaded):
     """Review finding 1: `--cuda-graph-max-bs 16` stops SGLang 0.5.23's argparse (exit 2)."""
-    e = _entry(gpu_plan.server_plan(pair), "AR")
+    e = _entry(gpu_plan.server_plan(synthetic_pair), "AR")
     e["args"][e["args"].index("--cuda-graph-max-bs-decode")] = "--cuda-graph-max-bs"
     msg = gpu_plan.check_entry(e)
     assert msg is not None and "exit 2" in msg and "ambiguous option: --cuda-graph-max-bs" in msg
@@ -66,28 +58,28 @@ def test_the_old_cuda_graph_flag_is_rejected(pair, loaded):
 
 @pytest.mark.parametrize("bad, expect", [(["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
                                          (["--attention-backend", "fa9"], "invalid choice: 'fa9'")])
-def test_other_bad_flags_are_rejected(pair, loaded, bad, expect):
-    e = _entry(gpu_plan.server_plan(pair), "SSD_noisy")
+def test_other_bad_flags_are_rejected(synthetic_pair, loaded, bad, expect):
+    e = _entry(gpu_plan.server_plan(synthetic_pair), "SSD_noisy")
     e["args"] += bad
     msg = gpu_plan.check_entry(e)
     assert msg is not None and expect in msg
 
 
-def test_saguaro_validation_runs(pair, loaded):
+def test_saguaro_validation_runs(synthetic_pair, loaded):
     """A saguaro server whose config the plugin refuses at launch fails the check, naming the key / flag."""
-    e = _entry(gpu_plan.server_plan(pair), "SSD_equal")
+    e = _entry(gpu_plan.server_plan(synthetic_pair), "SSD_equal")
     e["env"][gpu_plan.CONFIG_ENV] = json.dumps({"mode": "asink"})
     msg = gpu_plan.check_entry(e)
     assert msg is not None and "'mode'" in msg
-    e = _entry(gpu_plan.server_plan(pair), "SD_noisy")
+    e = _entry(gpu_plan.server_plan(synthetic_pair), "SD_noisy")
     i = e["args"].index("--speculative-draft-model-path")
-    e["args"][i + 1] = str(Path(pair) / "no_such_draft")
+    e["args"][i + 1] = str(Path(synthetic_pair) / "no_such_draft")
     msg = gpu_plan.check_entry(e)
     assert msg is not None and "--speculative-draft-model-path" in msg and "not a directory" in msg
 
 
-def test_extra_server_args_reach_every_server(pair, loaded):
-    plan = gpu_plan.server_plan(pair, extra_args=["--disable-cuda-graph"])
+def test_extra_server_args_reach_every_server(synthetic_pair, loaded):
+    plan = gpu_plan.server_plan(synthetic_pair, extra_args=["--disable-cuda-graph"])
     assert all(e["args"][-1] == "--disable-cuda-graph" for e in plan)
     assert gpu_plan.check_plan(plan) == {e["name"]: None for e in plan}
 

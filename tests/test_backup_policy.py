@@ -114,3 +114,27 @@ def test_override():
         pol.set_override("jit")
     with pytest.raises(ValueError):
         pol.observe_round(from_cache=[True], accept_lens=[2], backup="random", t_verify=1.0)
+
+
+def test_exploration_measures_the_unused_kind_then_the_model_decides():
+    """With exploration, "auto" tries fast once a batch >= 2 comes (its prior E_miss = 1 token is
+    never corrected otherwise), then keeps whichever the measured Corollary-16 model prefers."""
+    pol = BackupPolicy(min_dwell=8, margin=0.03, explore_min_batch=2, reexplore_every=400)
+    feed(pol, 50, 0.5, 2, 1.5, "neural", 0.25, b=4)
+    assert pol.choose(1) == "neural"               # batch 1: no exploration
+    assert pol.choose(4) == "fast"                 # fast never measured: try it
+    feed(pol, 40, 0.5, 2, 1.3, "fast", 0.01, b=4)  # it serves misses with ~1.3 tokens at ~no latency
+    assert pol.inputs()["e_miss_fast"] == pytest.approx(1.3, abs=0.05)
+    s = pol.speedups(4)
+    assert s["fast"] > s["neural"] * 1.03 and pol.choose(4) == "fast"  # measured: fast stays
+    # a fast kind that accepts nothing is left again once measured
+    bad = BackupPolicy(min_dwell=8, margin=0.03, explore_min_batch=2, reexplore_every=400)
+    feed(bad, 50, 0.5, 2, 1.8, "neural", 0.1, b=4)
+    assert bad.choose(4) == "fast"
+    feed(bad, 40, 0.5, 2, 1.0, "fast", 0.01, b=4)
+    assert bad.choose(4) == "neural"
+    feed(bad, 400, 0.5, 2, 1.8, "neural", 0.1, b=4)
+    assert bad.choose(4) == "fast"                 # re-explored after reexplore_every rounds
+    plain = BackupPolicy(min_dwell=0)
+    feed(plain, 50, 0.5, 2, 1.8, "neural", 0.1, b=4)
+    assert plain.choose(4) == "neural" and plain.inputs()["e_miss_fast"] == 1.0

@@ -56,7 +56,8 @@ class BackupChooser:
         if mode not in BACKUPS:
             raise ValueError(f"backup must be one of {BACKUPS}, got {mode!r}")
         self.mode = mode
-        self.policy = BackupPolicy(override=mode)
+        # "auto" measures both kinds (exploration from batch 2, where fast can pay) before it trusts the model
+        self.policy = BackupPolicy(override=mode, explore_min_batch=2)
         self._t_reply: Optional[float] = None
         self._last: dict[str, float] = {}
         self.rows = {"neural": 0, "fast": 0}

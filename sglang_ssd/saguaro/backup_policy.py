@@ -97,13 +97,21 @@ class BackupPolicy:
     only changes when the other one is predicted faster by more than `margin` (relative) and at
     least `min_dwell` rounds passed since the last switch.  Quantities of a backup kind are only
     measured while it is in use; until then its priors stand (fast: E_miss = 1 token, T_b = 0).
+
+    Exploration (explore_min_batch set): a kind that has never served a miss is tried for min_dwell
+    rounds as soon as a batch of at least explore_min_batch comes, and the kind not in use is
+    re-tried after reexplore_every rounds without a switch.  Without it the pessimistic prior
+    E_miss = 1 of the fast kind is never corrected: on the CPU pair "auto" stayed neural although
+    fast was 1-19% faster at b = 2-8 (results/variants_backup_kind.md).
     """
 
     def __init__(self, override: str = "auto", margin: float = 0.03, min_dwell: int = 32,
                  half_life: float = 200.0, prior_n: float = 5.0, p_hit: float = 0.5, e_hit: float = 3.0,
                  e_miss_neural: Optional[float] = None, e_miss_fast: float = 1.0, t_p: float = 0.5,
-                 t_b_neural: float = 0.5, t_b_fast: float = 0.0, initial: str = "neural"):
+                 t_b_neural: float = 0.5, t_b_fast: float = 0.0, initial: str = "neural",
+                 explore_min_batch: Optional[int] = None, reexplore_every: int = 2048):
         self.set_override(override)
+        self.explore_min_batch, self.reexplore_every = explore_min_batch, reexplore_every
         if initial not in CHOICES:
             raise ValueError(f"initial must be one of {CHOICES}, got {initial!r}")
         self.margin, self.min_dwell = margin, min_dwell
@@ -157,8 +165,14 @@ class BackupPolicy:
             return self.override
         s = self.speedups(batch_size)
         other = "fast" if self.current == "neural" else "neural"
-        dwell_ok = self.rounds - self._last_switch >= self.min_dwell
-        if dwell_ok and s[other] > s[self.current] * (1.0 + self.margin):
+        since = self.rounds - self._last_switch
+        dwell_ok = since >= self.min_dwell
+        if (self.explore_min_batch is not None and batch_size >= self.explore_min_batch and dwell_ok
+                and (self.e_miss[other].n == 0 or since >= self.reexplore_every)):
+            logger.info("backup %s -> %s at batch %d: exploring (%s)", self.current, other, batch_size,
+                        "never measured" if self.e_miss[other].n == 0 else f"not tried for {since} rounds")
+            self.current, self._last_switch = other, self.rounds
+        elif dwell_ok and s[other] > s[self.current] * (1.0 + self.margin):
             logger.info("backup %s -> %s at batch %d (predicted speedup %.3f vs %.3f)",
                         self.current, other, batch_size, s[other], s[self.current])
             self.current, self._last_switch = other, self.rounds

@@ -120,6 +120,7 @@ def test_exploration_measures_the_unused_kind_then_the_model_decides():
     """With exploration, "auto" tries fast once a batch >= 2 comes (its prior E_miss = 1 token is
     never corrected otherwise), then keeps whichever the measured Corollary-16 model prefers."""
     pol = BackupPolicy(min_dwell=8, margin=0.03, explore_min_batch=2, reexplore_every=400)
+    assert pol.choose(4) == "neural"               # the first kind is measured first
     feed(pol, 50, 0.5, 2, 1.5, "neural", 0.25, b=4)
     assert pol.choose(1) == "neural"               # batch 1: no exploration
     assert pol.choose(4) == "fast"                 # fast never measured: try it

@@ -140,7 +140,7 @@ def test_draft_link_passes_the_keys_to_the_draft_and_the_client(model_dir, keys,
     from sglang_ssd.sglang.draft_link import DraftLink
 
     cfg = SaguaroConfig.from_sources(model_dir, 3, env=_env(curve_keys=keys))
-    link = SimpleNamespace(cfg=cfg, endpoint="tcp://0.0.0.0:5555", proc=None)
+    link = SimpleNamespace(cfg=cfg, endpoint="tcp://0.0.0.0:5555", proc=None, device=torch.device("cpu"))
     monkeypatch.setattr(draft_link.subprocess, "Popen", lambda cmd: cmd)
     DraftLink._spawn(link)
     assert link.proc[link.proc.index("--curve-keys") + 1] == keys

@@ -99,7 +99,8 @@ class BackupPolicy:
     measured while it is in use; until then its priors stand (fast: E_miss = 1 token, T_b = 0).
 
     Exploration (explore_min_batch set): a kind that has never served a miss is tried for min_dwell
-    rounds as soon as a batch of at least explore_min_batch comes, and the kind not in use is
+    rounds once the first kind has served min_dwell rounds and a batch of at least explore_min_batch
+    comes, and the kind not in use is
     re-tried after reexplore_every rounds without a switch.  Without it the pessimistic prior
     E_miss = 1 of the fast kind is never corrected: on the CPU pair "auto" stayed neural although
     fast was 1-19% faster at b = 2-8 (results/variants_backup_kind.md).
@@ -167,8 +168,9 @@ class BackupPolicy:
         other = "fast" if self.current == "neural" else "neural"
         since = self.rounds - self._last_switch
         dwell_ok = since >= self.min_dwell
+        # explore only once the kind in use has served min_dwell rounds (it is measured first)
         if (self.explore_min_batch is not None and batch_size >= self.explore_min_batch and dwell_ok
-                and (self.e_miss[other].n == 0 or since >= self.reexplore_every)):
+                and self.rounds >= self.min_dwell and (self.e_miss[other].n == 0 or since >= self.reexplore_every)):
             logger.info("backup %s -> %s at batch %d: exploring (%s)", self.current, other, batch_size,
                         "never measured" if self.e_miss[other].n == 0 else f"not tried for {since} rounds")
             self.current, self._last_switch = other, self.rounds

@@ -41,11 +41,11 @@ def reply_q16(q: np.ndarray, q_ids: np.ndarray, q_rows: torch.Tensor, bs: int, k
         raise ValueError(f"draft sent q over token id {int(q_ids[-1])} >= vocab size {vocab_size}")
     rows = torch.from_numpy(np.ascontiguousarray(q)).to(device, non_blocking=True)
     out = torch.zeros(bs, k, vocab_size, dtype=torch.float16, device=device)
-    if len(q_ids):
-        ids = torch.from_numpy(np.ascontiguousarray(q_ids)).to(device, non_blocking=True)
-        rows = torch.zeros(m, k, vocab_size, dtype=torch.float16, device=device).index_copy_(2, ids, rows)
-    out[q_rows.to(device)] = rows
-    return out
+    r = q_rows.to(device)[:, None, None]
+    j = torch.arange(k, device=device)[None, :, None]
+    ids = (torch.from_numpy(np.ascontiguousarray(q_ids)).to(device, non_blocking=True) if len(q_ids)
+           else torch.arange(vocab_size, device=device))[None, None, :]
+    return out.index_put_((r, j, ids), rows)  # one scatter: out[q_rows[a], t, ids[c]] = q[a, t, c]
 
 
 @dataclass

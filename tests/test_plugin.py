@@ -89,8 +89,8 @@ def test_dummy_verify_input_hooked_for_saguaro(probe):
 
 
 def test_server_args_defaults(probe):
-    assert probe["cases"][0] == {"ok": ["SAGUARO", 4, "none", 5, 1, True, 48]}
-    assert probe["cases"][1] == {"ok": ["SAGUARO", 3, "none", 4, 1, True, 48]}
+    assert probe["cases"][0] == {"ok": ["SAGUARO", 4, "xgrammar", 5, 1, True, 48]}
+    assert probe["cases"][1] == {"ok": ["SAGUARO", 3, "xgrammar", 4, 1, True, 48]}
 
 
 @pytest.mark.parametrize("i,needle", [

@@ -62,9 +62,8 @@ class SaguaroAlgo(CustomSpecAlgo):
         # hardware: if capture fails, launch with --disable-cuda-graph).
         if not _cuda_target(server_args):
             server_args.disable_cuda_graph = True
-        # Grammar-constrained decoding is not wired into saguaro's verifier yet: refuse such requests
-        # with SGLang's own clear per-request error instead of silently ignoring the grammar.
-        server_args.grammar_backend = "none"
+        # Grammar-constrained decoding: SGLang's grammar backend (xgrammar by default) as in a plain
+        # server; the chain verify masks every chain position (sglang_ssd/sglang/grammar.py).
         if server_args.max_running_requests is None:
             server_args.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
 

@@ -31,6 +31,7 @@ from sglang_ssd.saguaro.target_dist import is_greedy, sampler_filter_order, targ
 from sglang_ssd.saguaro.verify import verify_chain, verify_chain_greedy
 from sglang_ssd.sglang import early_prefill
 from sglang_ssd.sglang.draft_link import DraftLink
+from sglang_ssd.sglang.grammar import mask_chain_logits
 from sglang_ssd.sglang.verify_input import build_chain_verify_input, verify_reads_mask
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class SaguaroWorker(BaseSpecWorker):
     def forward_batch_generation(self, batch: ScheduleBatch, on_publish=None, grammar_barrier=None,
                                  pp_proxy_tensors=None) -> GenerationBatchResult:
         if batch.forward_mode.is_decode():
-            return self._decode(batch, on_publish)
+            return self._decode(batch, on_publish, grammar_barrier)
         return self._prefill(batch, on_publish)
 
     def _prefill(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
@@ -128,7 +129,7 @@ class SaguaroWorker(BaseSpecWorker):
             speculative_num_draft_tokens=self.n,
         )
 
-    def _decode(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
+    def _decode(self, batch: ScheduleBatch, on_publish, grammar_barrier=None) -> GenerationBatchResult:
         t_start = time.perf_counter()
         reqs, bs, n = batch.reqs, len(batch.reqs), self.n
         info = batch.sampling_info
@@ -152,6 +153,8 @@ class SaguaroWorker(BaseSpecWorker):
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         t_verify = time.perf_counter()
         result = self._target_worker.forward_batch_generation(batch, is_verify=True)
+        # constrained requests: row j masked by the grammar after d_1..d_j, in place (logprobs see it too)
+        mask_chain_logits(batch, chain, result.logits_output.next_token_logits, grammar_barrier)
         logits = self._adjust_logits(result.logits_output.next_token_logits, info)[:, : self.vocab_size]
         logits = logits.float().view(bs, n, -1)
         t_accept = time.perf_counter()

@@ -23,10 +23,11 @@ import msgpack
 import numpy as np
 
 MAGIC = "sglang-ssd"
-PROTOCOL_VERSION = 5  # 2: Prefill carries per-request Saguaro sampling C; Hello the backup kind
+PROTOCOL_VERSION = 6  # 2: Prefill carries per-request Saguaro sampling C; Hello the backup kind
                       # 3: HelloReply says whether the session was resumed (state kept)
                       # 4: Prefill.round0: build a round-0 cache (sent while the target prefills)
                       # 5: SpecReply.q_ids: q travels over the draft head's token ids only
+                      # 6: SpecReply.builds / cut_depth / fast_rows (for the worker's metrics)
 BACKUPS = ("neural", "fast", "auto")
 MAX_HEADER_BYTES = 4 << 20        # msgpack header frame
 MAX_FRAME_BYTES = 1 << 30         # any array frame (q of a large batch is the big one)
@@ -415,7 +416,8 @@ class SpecReply(Message):
 
     TYPE: ClassVar[str] = "spec_reply"
     TIMINGS: ClassVar = ("answer_ms", "backup_ms", "build_ms", "glue_ms", "tree_ms")
-    HEADER: ClassVar = ("round_id",) + TIMINGS
+    COUNTS: ClassVar = ("builds", "cut_depth", "fast_rows")
+    HEADER: ClassVar = ("round_id",) + TIMINGS + COUNTS
     ARRAYS: ClassVar = {"tokens": ("<i8", 2), "hit": ("|b1", 1), "q_rows": ("<i8", 1), "q": ("<f2", 3),
                         "q_ids": ("<i8", 1)}
     round_id: int
@@ -426,14 +428,20 @@ class SpecReply(Message):
     q_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     answer_ms: float = 0.0     # recv -> reply ready (includes backup_ms)
     backup_ms: float = 0.0     # just-in-time decode of missed rows
-    build_ms: float = 0.0      # the previous cache build (glue + fork + tree + store) ...
-    glue_ms: float = 0.0       # ... its glue forward
-    tree_ms: float = 0.0       # ... its K tree forwards
+    build_ms: float = 0.0      # cache builds finished since the previous reply (glue + fork + tree + store) ...
+    glue_ms: float = 0.0       # ... their glue forwards
+    tree_ms: float = 0.0       # ... their K tree forwards
+    builds: int = 0            # how many builds that was (0: none since the previous reply)
+    cut_depth: int = -1        # the last of them was cut after this many depths (-1: not cut)
+    fast_rows: int = 0         # missed rows answered by the fast (n-gram / random) backup, not the neural one
 
     def validate(self):
         self.round_id = _int(self.round_id, "round_id", 0, 1 << 62)
         for name in self.TIMINGS:
             setattr(self, name, _float(getattr(self, name), name, 0.0))
+        self.builds = _int(self.builds, "builds", 0, 1 << 40)
+        self.cut_depth = _int(self.cut_depth, "cut_depth", -1, MAX_K)
+        self.fast_rows = _int(self.fast_rows, "fast_rows", 0, MAX_BATCH)
         self.tokens = np.asarray(self.tokens, dtype=np.int64)
         self.hit = np.asarray(self.hit, dtype=np.bool_)
         self.q_rows = np.asarray(self.q_rows, dtype=np.int64).reshape(-1)

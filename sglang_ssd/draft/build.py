@@ -212,6 +212,10 @@ def _record(e: "DraftEngine", t0: float, t_glue: float, t_tree: float, cut_depth
     st.glue_ms += t_glue
     st.tree_ms += t_tree
     st.last = {"build_ms": total, "glue_ms": t_glue, "tree_ms": t_tree}
+    u = st.unsent
+    u.update(builds=u.get("builds", 0) + 1, build_ms=u.get("build_ms", 0.0) + total,
+             glue_ms=u.get("glue_ms", 0.0) + t_glue, tree_ms=u.get("tree_ms", 0.0) + t_tree,
+             cut_depth=-1 if cut_depth is None else cut_depth)
     if cut_depth is not None:
         st.builds_cut += 1
         st.builds_cut_before_glue += int(before_glue)

@@ -72,6 +72,7 @@ class Stats:
     builds_cut_before_glue: int = 0    # ... of which before the glue forward (nothing built)
     cut_depth_hist: dict[int, int] = field(default_factory=dict)  # depths finished by all rows -> cuts
     last: dict[str, float] = field(default_factory=lambda: {"build_ms": 0.0, "glue_ms": 0.0, "tree_ms": 0.0})
+    unsent: dict = field(default_factory=dict)  # builds since the last reply (SpecReply builds / *_ms / cut_depth)
 
 
 @dataclass
@@ -281,9 +282,10 @@ class DraftEngine:
         answer_ms = _ms(t0)
         st_.answer_ms += answer_ms
         self._t_reply = time.perf_counter()
+        built, st_.unsent = st_.unsent, {}
         return SpecReply(round_id=msg.round_id, tokens=tokens.numpy(), hit=hit,
                          q_rows=np.asarray(q_rows, dtype=np.int64), q=q, q_ids=q_ids, answer_ms=answer_ms,
-                         backup_ms=backup_ms, **st_.last)
+                         backup_ms=backup_ms, fast_rows=len(missed) if kind == "fast" else 0, **built)
 
     def _wire_q(self, rows: list[torch.Tensor], k_spec: int) -> tuple[np.ndarray, np.ndarray]:
         """The reply's q rows -> (q [m, K, W] float16, q_ids): over the head's own ids when every row is in

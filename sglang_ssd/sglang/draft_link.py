@@ -300,7 +300,8 @@ class DraftLink:
         self.stats.answer_s += reply.answer_ms / 1e3
         self.stats.backup_s += reply.backup_ms / 1e3
         self.stats.hits += int(hit.sum())
-        return Proposal(tokens, q16, q_valid, max_accept, hit, wait)
+        return Proposal(tokens, q16, q_valid, max_accept, hit, wait, reply.builds, reply.build_ms, reply.cut_depth,
+                        reply.fast_rows, replied=True)
 
     def _deadline(self) -> float:
         """The round's wait bound: round_deadline_s, stretched to 5x the recent reply time so a big

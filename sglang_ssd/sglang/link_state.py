@@ -23,6 +23,11 @@ class Proposal:
     max_accept: torch.Tensor  # [bs] int64: drafts that may be accepted (0 = target-only round)
     hit: torch.Tensor  # [bs] bool: came from the speculation cache
     wait_s: float = 0.0
+    builds: int = 0  # the reply's cache builds since the previous reply, their total time, the last one's
+    build_ms: float = 0.0  # cut depth (-1 = not cut) and the missed rows the fast backup answered
+    cut_depth: int = -1
+    fast_rows: int = 0
+    replied: bool = False  # came from a draft reply (False: a target-only round)
 
 
 def reply_q16(q: np.ndarray, q_ids: np.ndarray, q_rows: torch.Tensor, bs: int, k: int, vocab_size: int,

@@ -32,6 +32,7 @@ from sglang_ssd.saguaro.verify import verify_chain, verify_chain_greedy
 from sglang_ssd.sglang import early_prefill
 from sglang_ssd.sglang.draft_link import DraftLink
 from sglang_ssd.sglang.grammar import mask_chain_logits
+from sglang_ssd.sglang.metrics import SaguaroMetrics
 from sglang_ssd.sglang.verify_input import build_chain_verify_input, verify_reads_mask
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ class SaguaroWorker(BaseSpecWorker):
                                                           target_gpus(server_args, gpu_id), n_gpus)
         (logger.warning if "SHARES" in why else logger.info)("saguaro draft device %s: %s", self.cfg.draft_device, why)
         self.link = DraftLink(self.cfg, self.vocab_size, eos_ids, device=self.device)
+        self.metrics = SaguaroMetrics.maybe(server_args)  # --enable-metrics: saguaro's series on /metrics
         atexit.register(self.link.close)
         seed = server_args.random_seed if server_args.random_seed is not None else 0
         self.generator = torch.Generator(device=self.device).manual_seed(seed + 7919)
@@ -181,6 +183,8 @@ class SaguaroWorker(BaseSpecWorker):
         t_end = time.perf_counter()
         self.link.record(accept_lens.tolist(), verify_s=t_accept - t_verify, accept_s=t_end - t_accept,
                          t_start=t_start, t_end=t_end)
+        if self.metrics is not None:
+            self.metrics.observe(self.link.stats, prop, bs, verify_s=t_accept - t_verify, accept_s=t_end - t_accept)
         if self.link.stats.rounds % self.cfg.stats_interval == 0:
             logger.info(self.link.summary())
         if self.cfg.stats_file:

@@ -14,9 +14,13 @@ fan_out_auto           ``SGLANG_SSD_CONFIG["fan_out_auto"]``       true: re-fit 
                                                                    (Theorem 12), budget = sum(fan_out);
                                                                    false: fan_out as given (measured:
                                                                    results/saguaro_bench.md)
-backup                 ``SGLANG_SSD_CONFIG["backup"]``             "neural" (draft decodes just in time);
-                                                                   "fast" (n-gram / random tokens);
-                                                                   "auto" (by batch size, Cor. 16)
+backup                 ``SGLANG_SSD_CONFIG["backup"]``             null = by draft device: "fast" for a
+                                                                   CPU draft in async mode (measured:
+                                                                   results/variants_backup_kind.md),
+                                                                   else "neural"; "neural" (draft
+                                                                   decodes just in time); "fast"
+                                                                   (n-gram / random tokens); "auto"
+                                                                   (by batch size, Cor. 16)
 saguaro_c              ``SGLANG_SSD_CONFIG["saguaro_c"]``          1.0 (Saguaro sampling C in (0, 1];
                                                                    per request: sampling_params
                                                                    custom_params {"saguaro_c": C})
@@ -82,7 +86,7 @@ class SaguaroConfig:
     fan_out: list[int] = field(default_factory=list)  # len K+1 after validation
     mode: str = "async"
     saguaro_c: float = 1.0
-    backup: str = "neural"
+    backup: Optional[str] = None  # resolve_backup: null = by draft device and mode
     fan_out_auto: bool = True  # fitted schedule: hit rate 0.38 -> 0.44 at T=0 on the CPU pair
     draft_device: str = "auto"  # resolve_draft_device, at worker start
     draft_endpoint: Optional[str] = None
@@ -134,7 +138,7 @@ class SaguaroConfig:
         if not isinstance(self.fan_out_auto, bool):
             raise SaguaroConfigError(f"{ENV_VAR} key 'fan_out_auto' must be true or false")
         from sglang_ssd.protocol import BACKUPS  # the one list of backup kinds (the wire validates it too)
-        if self.backup not in BACKUPS:
+        if self.backup is not None and self.backup not in BACKUPS:
             raise SaguaroConfigError(f"{ENV_VAR} key 'backup' must be 'neural', 'fast' or 'auto', got {self.backup!r}")
         if check_saguaro_c(self.saguaro_c) is None:
             raise SaguaroConfigError(f"{ENV_VAR} key 'saguaro_c' must be a number in (0, 1], got {self.saguaro_c!r}")
@@ -225,6 +229,18 @@ def resolve_draft_device(setting: str, target_device: str, target_gpus: set[int]
     own = min(target_gpus) if target_gpus else 0
     return f"cuda:{own}", (f"no free GPU ({n_gpus} visible, all used by the target): the draft SHARES the "
                            "target's GPU, so drafting competes with verification")
+
+
+def resolve_backup(setting: Optional[str], draft_device: str, mode: str) -> str:
+    """backup null -> the kind to use.  Sync mode (SD) drafts every round with the neural draft (its
+    "backup" IS the draft).  In async mode a CPU draft answers misses with the fast (n-gram / random)
+    backup: on the 2-core CPU pair it was as fast or faster than the neural one in 11 of 12 cells
+    (b = 1-8, T = 0 / 1; results/variants_backup_kind.md, variants_backup_auto.md) and cut the target's
+    wait for the draft from 13-40 ms to 2-6 ms per round.  A GPU draft keeps the neural backup (the
+    paper's choice at small batch, where the draft's decode is cheap).  Explicit settings stand."""
+    if setting is not None:
+        return setting
+    return "fast" if mode == "async" and str(draft_device) == "cpu" else "neural"
 
 
 def check_saguaro_c(v: Any) -> Optional[float]:

@@ -14,7 +14,8 @@ backup (one-hot / uniform proposal rows).  Path "cut": as "hit", but every cache
 so every hit is a 1-token speculation padded with -1.  Path "reduced": as "hit" with a draft whose head covers
 6 of the 8 ids (q exactly 0 on the other two, sent sparse over the head's ids; a bonus outside the head is
 never cached, so hits and backups mix).  Path "saguaro": C = 0.5 with top-2 fan-out (sigma needs F < V), so cache hits
-and backup rounds mix; every sample is kept.
+and backup rounds mix; every sample is kept.  Path "hitfast": top-2 fan-out in async mode with the fast backup
+(the CPU default), so cache hits and n-gram / random-token misses mix; every sample is kept.
 For each x1, the counts of (x2, x3) are compared with the exact target law by enumeration (G-test, cells
 with expected count < 5 pooled); the G statistics and degrees of freedom add up over x1.  Seeds are fixed.
 Negative controls: the same test must reject a verifier that uses the unmodified q with Saguaro sampling,
@@ -82,13 +83,13 @@ def run(pair, path: str, temp: float, seed: int, broken: str = "") -> tuple[torc
     mode = "sync" if path in ("backup", "fast") else "async"
     full = [V] * (K + 1)                 # every outcome cached (forks cap at V - 1 where s_{j+1} is excluded)
     c = 0.5 if path == "saguaro" else 1.0
-    if path == "saguaro":                # sigma needs F < V: top-2 cached, so hits and backups mix
-        full = [2] * (K + 1)
+    if path in ("saguaro", "hitfast"):   # sigma needs F < V: top-2 cached, so hits and backups mix
+        full = [2] * (K + 1)             # hitfast: misses answered by the fast backup (the CPU default)
     # path "cut": every build stops after depth 1 (as when the next Speculate arrives mid-build), so each
     # hit is a 1-token speculation padded with -1 (max_accept 1)
     e = DraftEngine(draft, seed=seed, max_batch=N, max_build_depth=1 if path == "cut" else None)
     n_cols = draft.n_cols
-    e.hello(Hello(PROTOCOL_VERSION, "stat", K, mode, full, V, [], full, "fast" if path == "fast" else "neural"))
+    e.hello(Hello(PROTOCOL_VERSION, "stat", K, mode, full, V, [], full, "fast" if path in ("fast", "hitfast") else "neural"))
     rids = [f"r{i}" for i in range(N)]
     e.prefill(Prefill(rids, [PROMPT[:-1]] * N, [temp] * N, [c] * N))
     g = torch.Generator().manual_seed(seed + 7919)  # the verifier's randomness is independent of the draft's
@@ -177,7 +178,8 @@ def chi2_sf(x: float, k: int) -> float:
 
 
 @pytest.mark.parametrize("path, temp", [("hit", 1.0), ("hit", 0.7), ("backup", 1.0), ("backup", 0.7), ("fast", 1.0),
-                                         ("saguaro", 1.0), ("saguaro", 0.7), ("cut", 1.0), ("cut", 0.7),
+                                         ("saguaro", 1.0), ("saguaro", 0.7), ("hitfast", 1.0), ("hitfast", 0.7),
+                                         ("cut", 1.0), ("cut", 0.7),
                                          ("reduced", 1.0), ("reduced", 0.7)])
 def test_output_law_is_the_targets(pair, path, temp):
     counts, hit_rate = run(pair, path, temp, seed=7)

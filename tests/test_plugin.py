@@ -167,3 +167,19 @@ def test_saguaro_c_server_default_and_per_request_override(draft_path):
     assert DraftLink._saguaro_c(link, req({"saguaro_c": 1})) == 1.0
     for bad in (0, -1, 2, "0.5", None, True):
         assert DraftLink._saguaro_c(link, req({"saguaro_c": bad})) == 0.8
+
+
+def test_backup_default_by_draft_device(draft_path):
+    from sglang_ssd.config import resolve_backup
+
+    cfg = SaguaroConfig.from_sources(draft_path, 4, env={})
+    assert cfg.backup is None  # by device
+    assert resolve_backup(None, "cpu", "async") == "fast"       # CPU draft: the measured-faster backup
+    assert resolve_backup(None, "cuda:1", "async") == "neural"  # GPU draft: the paper's small-batch choice
+    assert resolve_backup(None, "auto", "async") == "neural"    # a remote draft of unknown device
+    assert resolve_backup(None, "cpu", "sync") == "neural"      # SD drafts with the draft model itself
+    for kind in ("neural", "fast", "auto"):
+        assert resolve_backup(kind, "cpu", "sync") == kind      # explicit settings stand
+        assert SaguaroConfig.from_sources(draft_path, 4, env={"SGLANG_SSD_CONFIG": f'{{"backup": "{kind}"}}'}).backup == kind
+    with pytest.raises(SaguaroConfigError, match="backup"):
+        SaguaroConfig.from_sources(draft_path, 4, env={"SGLANG_SSD_CONFIG": '{"backup": "ngram"}'})

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from sglang_ssd.config import SaguaroConfig, check_saguaro_c, resolve_draft_device
+from sglang_ssd.config import SaguaroConfig, check_saguaro_c, resolve_backup, resolve_draft_device
 from sglang_ssd.protocol import Ack, SpecReply
 from sglang_ssd.sglang import early_prefill
 from sglang_ssd.sglang.link_state import UNKNOWN, LinkStats, Proposal, _Late, _ReqState, reply_q16
@@ -118,7 +118,8 @@ class DraftLink:
                                              client_id=self.client_id,
                                              vocab_size=self.vocab_size, eos_ids=self.eos_ids,
                                              timeout_s=None if startup else self.cfg.round_deadline_s,
-                                             backup=self.cfg.backup,
+                                             backup=resolve_backup(self.cfg.backup, self.cfg.draft_device,
+                                                                   self.cfg.mode),
                                              fan_out_auto=self.cfg.fan_out_auto)
                     break
                 except Exception as exc:  # not up yet

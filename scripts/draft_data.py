@@ -17,7 +17,17 @@ target's distribution of the token AFTER it), topk_ids int32 [M, k], topk_p floa
 
 Usage:
     taskset -c 1 python scripts/draft_data.py --minutes 60          # resumes; progress bar on stderr
+    taskset -c 0 python scripts/draft_data.py --kinds gen --part 0/2 # both cores, generation only:
+    taskset -c 1 python scripts/draft_data.py --kinds gen --part 1/2 #   each process takes every other job
     python scripts/draft_data.py --stats                             # what is there
+    python scripts/draft_data.py --export-gen assets/gen             # the generated answers, tokens only
+    python scripts/draft_data.py --import-gen assets/gen             # ... labelled again by teacher forcing
+
+Machines do not keep the data directory between sessions, and the labels are large (32 x 6 bytes per
+position), so the generated answers -- the slow part: sampling runs at ~136 tokens/s per core -- are kept
+as tokens only (uint16, 2 bytes per token, assets/gen/) and re-labelled with the target by teacher forcing
+(one forward per sequence: the target's T = 1 top-k at each generated position, the same label
+generation stored, up to float rounding), which runs several times faster than sampling.
 """
 
 from __future__ import annotations
@@ -152,7 +162,9 @@ def generate(gen, tok, prompts: list[list[int]], temperature: float, seed: int) 
 
 
 # ----------------------------------------------------------------------------------------------- driver
-def run(minutes: float, seed: int, threads: int) -> None:
+def run(minutes: float, seed: int, threads: int, kinds=("text", "gen"), part=(0, 1)) -> None:
+    """Jobs in the fixed order; this process does job j when its kind is in ``kinds`` and j % n == i
+    for part (i, n), so n processes (one per core) share the list without doing a job twice."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     torch.set_num_threads(threads)
     out = data_dir()
@@ -183,7 +195,7 @@ def run(minutes: float, seed: int, threads: int) -> None:
         if not batch:
             log.info("%s pool exhausted", kind)
             break
-        if not path.exists():
+        if kind in kinds and job % part[1] == part[0] and not path.exists():
             if kind == "text":
                 shard = score_text(target, batch)
             else:
@@ -201,6 +213,86 @@ def run(minutes: float, seed: int, threads: int) -> None:
     log.info("done: %d new positions in %.1f min", pos_new, (time.time() - t_start) / 60)
 
 
+# ----------------------------------------------------------------------------------------------- tokens only
+def export_gen(dest: Path, directory: Path | None = None) -> int:
+    """Every generation shard -> dest/gen_<job>.npz: tokens uint16 [N], offsets int64 [S+1], prompt_lens
+    int32 [S] (sequence s = prompt + answer; its labelled positions are the answer's)."""
+    import numpy as np
+
+    dest.mkdir(parents=True, exist_ok=True)
+    n = 0
+    for f in sorted(glob.glob(str((directory or data_dir()) / "shard_*_gen.safetensors"))):
+        job = int(Path(f).name.split("_")[1])
+        out = dest / f"gen_{job:05d}.npz"
+        if out.exists():
+            continue
+        sh = load_file(f)
+        tokens, offsets, label_pos = sh["tokens"], sh["offsets"], sh["label_pos"]
+        assert int(tokens.max()) < 1 << 16, "vocabulary too large for uint16 tokens"
+        first = torch.searchsorted(label_pos, offsets[:-1])  # each sequence's first labelled position
+        prompt_lens = (label_pos[first.clamp(max=len(label_pos) - 1)] + 1 - offsets[:-1]).to(torch.int32)
+        tmp = out.with_suffix(".tmp.npz")
+        np.savez_compressed(tmp, tokens=tokens.numpy().astype(np.uint16), offsets=offsets.numpy(),
+                            prompt_lens=prompt_lens.numpy())
+        os.replace(tmp, out)
+        n += len(label_pos)
+    return n
+
+
+def gen_label_pos(offsets: torch.Tensor, prompt_lens: torch.Tensor) -> torch.Tensor:
+    """Labelled positions of tokens-only sequences: the token before each answer token."""
+    parts = [torch.arange(int(o) + int(p) - 1, int(e) - 1) for o, e, p in zip(offsets[:-1], offsets[1:], prompt_lens)]
+    return torch.cat(parts).to(torch.int64) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+@torch.inference_mode()
+def relabel(target, tokens: torch.Tensor, offsets: torch.Tensor, prompt_lens: torch.Tensor, batch: int = 16) -> dict:
+    """Teacher-forced labels for tokens-only sequences: the shard generate() would have written."""
+    label_pos = gen_label_pos(offsets, prompt_lens)
+    seqs = [tokens[int(a):int(b)].long() for a, b in zip(offsets[:-1], offsets[1:])]
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # similar lengths share a padded batch
+    ids, ps = [None] * len(seqs), [None] * len(seqs)
+    for c in range(0, len(order), batch):
+        group = order[c:c + batch]
+        width = max(len(seqs[i]) for i in group)
+        x = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros(len(group), width, dtype=torch.long)
+        for r, i in enumerate(group):
+            x[r, :len(seqs[i])], mask[r, :len(seqs[i])] = seqs[i], 1
+        logits = target(input_ids=x, attention_mask=mask).logits  # right padding: causal rows unaffected
+        for r, i in enumerate(group):
+            lo = int(prompt_lens[i]) - 1
+            ids[i], ps[i] = topk_of(logits[r, lo:len(seqs[i]) - 1])
+    return {"tokens": tokens.to(torch.int32), "offsets": offsets.to(torch.int64), "label_pos": label_pos,
+            "topk_ids": torch.cat(ids), "topk_p": torch.cat(ps)}
+
+
+def import_gen(src: Path, threads: int, part=(0, 1), directory: Path | None = None) -> int:
+    """src/gen_<job>.npz -> labelled shards in the data directory (skips shards already there)."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    out = directory or data_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    target = AutoModelForCausalLM.from_pretrained(paths.target_path(), dtype=torch.float32).eval()
+    n = 0
+    for k, f in enumerate(sorted(glob.glob(str(src / "gen_*.npz")))):
+        job = int(Path(f).stem.split("_")[1])
+        path = out / f"shard_{job:05d}_gen.safetensors"
+        if path.exists() or k % part[1] != part[0]:
+            continue
+        z = np.load(f)
+        shard = relabel(target, torch.from_numpy(z["tokens"].astype(np.int32)), torch.from_numpy(z["offsets"]),
+                        torch.from_numpy(z["prompt_lens"]))
+        tmp = path.with_suffix(".tmp")
+        save_file(shard, str(tmp))
+        os.replace(tmp, path)
+        n += shard["label_pos"].numel()
+        log.info("relabelled %s: %d positions", Path(f).name, shard["label_pos"].numel())
+    return n
+
+
 def load_shards(directory: Path | None = None, kinds=("text", "gen")) -> list[dict]:
     files = sorted(glob.glob(str((directory or data_dir()) / "shard_*.safetensors")))
     return [load_file(f) for f in files if any(f.endswith(f"_{k}.safetensors") for k in kinds)]
@@ -212,7 +304,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--stats", action="store_true")
+    ap.add_argument("--kinds", default="text,gen", help="job kinds this process does")
+    ap.add_argument("--part", default="0/1", help="I/N: this process does every N-th job, from the I-th")
+    ap.add_argument("--export-gen", type=Path, help="write the generation shards' tokens to this directory")
+    ap.add_argument("--import-gen", type=Path, help="label the tokens-only answers in this directory again")
     args = ap.parse_args(argv)
+    i, n = (int(x) for x in args.part.split("/"))
+    if not 0 <= i < n:
+        ap.error("--part must be I/N with 0 <= I < N")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.stats:
         files = sorted(glob.glob(str(data_dir() / "shard_*.safetensors")))
@@ -223,7 +322,13 @@ def main(argv=None) -> int:
             by[k] = by.get(k, 0) + m
         print(json.dumps({"dir": str(data_dir()), "shards": len(files), "positions": by}, indent=1))
         return 0
-    run(args.minutes, args.seed, args.threads)
+    if args.export_gen:
+        log.info("exported %d generated positions to %s", export_gen(args.export_gen), args.export_gen)
+        return 0
+    if args.import_gen:
+        log.info("relabelled %d generated positions", import_gen(args.import_gen, args.threads, (i, n)))
+        return 0
+    run(args.minutes, args.seed, args.threads, tuple(args.kinds.split(",")), (i, n))
     return 0
 
 

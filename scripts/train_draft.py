@@ -16,6 +16,7 @@ the same command. The learning rate follows a cosine over the whole --minutes bu
 Usage:
     taskset -c 0 python scripts/train_draft.py --out RUN_DIR --layers 2 --head-vocab 8192 --minutes 60
     python scripts/train_draft.py --out RUN_DIR --export assets/draft    # write the committed parameters
+    taskset -c 0 python scripts/train_draft.py --out RUN_DIR --init assets/draft --lr 2e-4 --minutes 25  # fine-tune
 """
 
 from __future__ import annotations
@@ -192,8 +193,16 @@ def train(args) -> None:
     pool.refresh()
     ckpt_path = out / "ckpt.pt"
     ck = torch.load(ckpt_path) if ckpt_path.exists() else None
-    head_ids = ck["head_ids"] if ck else choose_head(pool, 49152, args.head_vocab)
+    init = load_file(str(Path(args.init) / "draft.safetensors")) if args.init and not ck else None
+    head_ids = ck["head_ids"] if ck else init["head_ids"] if init else choose_head(pool, 49152, args.head_vocab)
     student = build_student(args.layers, head_ids, args.lens_tokens)
+    if init is not None:  # fine-tune an exported draft (its fp16 parameters, its head) instead of the lens start
+        missing, unexpected = student.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                                       for k, v in init.items()}, strict=False)
+        if unexpected or set(missing) - {"model.embed_tokens.weight"}:
+            raise RuntimeError(f"--init {args.init} does not fit --layers {args.layers} / --head-vocab "
+                               f"{args.head_vocab}: missing {missing}, unexpected {unexpected}")
+        log.info("initialised from %s", args.init)
     remap = torch.full((student.cfg.vocab_size,), -1, dtype=torch.long)
     remap[head_ids] = torch.arange(len(head_ids))
     params = trainable(student)
@@ -312,6 +321,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--export", default=None, help="write the trained parameters to this dir and exit")
+    ap.add_argument("--init", default=None, help="start from an exported draft (e.g. assets/draft): fine-tuning")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.manual_seed(args.seed)

@@ -114,3 +114,40 @@ def test_draft_data_generation_shard_layout(pair):
         assert pos == list(range(len(p) - 1, len(p) - 1 + len(ans)))
     assert torch.equal(shard["topk_ids"], torch.cat(out.topk_ids))
     assert shard["topk_ids"].shape == (len(labelled), draft_data.TOPK) and shard["topk_p"].dtype == torch.float16
+
+
+def test_tokens_only_answers_relabel_to_the_same_shard(pair, tmp_path, monkeypatch):
+    """draft_data's tokens-only export (what gets committed: answers are slow to sample, labels big) and
+    its teacher-forced re-labelling give back the shard generation wrote: same tokens, offsets, labelled
+    positions and top-k labels.  Rows of different lengths (EOS ends some) share the padded batches."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from safetensors.torch import save_file
+
+    import draft_data
+
+    gen, hf = pair
+    monkeypatch.setattr(draft_data, "GEN_TOKENS", 7)
+    prompts = PROMPTS * 5
+    shard = draft_data.generate(gen, SimpleNamespace(eos_token_id=11), prompts, 1.0, seed=4)
+    lens = (shard["offsets"][1:] - shard["offsets"][:-1]).tolist()
+    assert len(set(lens)) > len(set(len(p) for p in PROMPTS))  # EOS really shortened some answers
+    src = tmp_path / "data"
+    src.mkdir()
+    save_file(shard, str(src / "shard_00005_gen.safetensors"))
+    save_file(shard, str(src / "shard_00006_text.safetensors"))  # text shards are not exported
+    assert draft_data.export_gen(tmp_path / "gen", src) == len(shard["label_pos"])
+    files = sorted(p.name for p in (tmp_path / "gen").iterdir())
+    assert files == ["gen_00005.npz"]
+    z = np.load(tmp_path / "gen" / files[0])
+    assert z["tokens"].dtype == np.uint16 and z["tokens"].nbytes == 2 * len(shard["tokens"])
+    back = draft_data.relabel(hf, torch.from_numpy(z["tokens"].astype(np.int32)), torch.from_numpy(z["offsets"]),
+                              torch.from_numpy(z["prompt_lens"]), batch=3)
+    for key in ("tokens", "offsets", "label_pos"):
+        assert torch.equal(back[key], shard[key]), key
+    assert torch.equal(back["topk_ids"][:, :4], shard["topk_ids"][:, :4])  # the top labels; ties past them may swap
+    torch.testing.assert_close(back["topk_p"].float(), shard["topk_p"].float(), atol=2e-3, rtol=0)
+    # a wrong prompt length shifts every label: caught
+    bad = draft_data.gen_label_pos(torch.from_numpy(z["offsets"]), torch.from_numpy(z["prompt_lens"]) + 1)
+    assert not torch.equal(bad, shard["label_pos"][: len(bad)]) or len(bad) != len(shard["label_pos"])

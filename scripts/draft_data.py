@@ -192,10 +192,10 @@ def run(minutes: float, seed: int, threads: int, kinds=("text", "gen"), part=(0,
             batch = prompts[first:first + GEN_BATCH]
             temp = GEN_PASSES[min(gi // len(prompts), len(GEN_PASSES) - 1)]
             gi += len(batch)
-        if not batch:
+        if not batch and kind in kinds:
             log.info("%s pool exhausted", kind)
             break
-        if kind in kinds and job % part[1] == part[0] and not path.exists():
+        if batch and kind in kinds and job % part[1] == part[0] and not path.exists():
             if kind == "text":
                 shard = score_text(target, batch)
             else:
@@ -229,9 +229,10 @@ def export_gen(dest: Path, directory: Path | None = None) -> int:
         sh = load_file(f)
         tokens, offsets, label_pos = sh["tokens"], sh["offsets"], sh["label_pos"]
         assert int(tokens.max()) < 1 << 16, "vocabulary too large for uint16 tokens"
-        first = torch.searchsorted(label_pos, offsets[:-1])  # each sequence's first labelled position
-        prompt_lens = (label_pos[first.clamp(max=len(label_pos) - 1)] + 1 - offsets[:-1]).to(torch.int32)
-        tmp = out.with_suffix(".tmp.npz")
+        # a sequence's labelled positions are its answer's: prompt length = length - their number
+        n_lab = torch.searchsorted(label_pos, offsets[1:]) - torch.searchsorted(label_pos, offsets[:-1])
+        prompt_lens = (offsets[1:] - offsets[:-1] - n_lab).to(torch.int32)
+        tmp = dest / f".gen_{job:05d}.part.npz"  # outside the gen_*.npz glob until complete
         np.savez_compressed(tmp, tokens=tokens.numpy().astype(np.uint16), offsets=offsets.numpy(),
                             prompt_lens=prompt_lens.numpy())
         os.replace(tmp, out)

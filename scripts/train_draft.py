@@ -193,8 +193,12 @@ def train(args) -> None:
     pool.refresh()
     ckpt_path = out / "ckpt.pt"
     ck = torch.load(ckpt_path) if ckpt_path.exists() else None
+    if args.init and ck:
+        log.info("--init ignored: resuming %s", ckpt_path)
     init = load_file(str(Path(args.init) / "draft.safetensors")) if args.init and not ck else None
     head_ids = ck["head_ids"] if ck else init["head_ids"] if init else choose_head(pool, 49152, args.head_vocab)
+    if init is not None:
+        args.head_vocab = len(head_ids)  # the initial draft's head decides (checkpoint args, export)
     student = build_student(args.layers, head_ids, args.lens_tokens)
     if init is not None:  # fine-tune an exported draft (its fp16 parameters, its head) instead of the lens start
         missing, unexpected = student.load_state_dict({k: v.float() if v.is_floating_point() else v

@@ -231,16 +231,17 @@ def resolve_draft_device(setting: str, target_device: str, target_gpus: set[int]
                            "target's GPU, so drafting competes with verification")
 
 
-def resolve_backup(setting: Optional[str], draft_device: str, mode: str) -> str:
+def resolve_backup(setting: Optional[str], draft_device: str, mode: str, spawned: bool = True) -> str:
     """backup null -> the kind to use.  Sync mode (SD) drafts every round with the neural draft (its
     "backup" IS the draft).  In async mode a CPU draft answers misses with the fast (n-gram / random)
     backup: on the 2-core CPU pair it was as fast or faster than the neural one in 11 of 12 cells
     (b = 1-8, T = 0 / 1; results/variants_backup_kind.md, variants_backup_auto.md) and cut the target's
     wait for the draft from 13-40 ms to 2-6 ms per round.  A GPU draft keeps the neural backup (the
-    paper's choice at small batch, where the draft's decode is cheap).  Explicit settings stand."""
+    paper's choice at small batch, where the draft's decode is cheap), and so does a draft the worker did
+    not start (spawned False: its device is not known here).  Explicit settings stand."""
     if setting is not None:
         return setting
-    return "fast" if mode == "async" and str(draft_device) == "cpu" else "neural"
+    return "fast" if spawned and mode == "async" and str(draft_device) == "cpu" else "neural"
 
 
 def check_saguaro_c(v: Any) -> Optional[float]:

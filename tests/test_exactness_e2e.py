@@ -102,7 +102,7 @@ def run(pair, path: str, temp: float, seed: int, broken: str = "") -> tuple[torc
     x1 = torch.multinomial(_probs(target, [PROMPT], 1, temp)[0, 0].expand(N, V), 1, generator=g).squeeze(1).tolist()
     ctx = {r: PROMPT + [x] for r, x in zip(rids, x1)}
     outcome = {r: (0, x) for r, x in zip(rids, x1)}
-    live, late_misses, rounds, hits = list(rids), 0, 0, 0
+    live, late_misses, rounds, hits, fast_rows = list(rids), 0, 0, 0, 0
     missed = set()
     while live:
         rnd += 1
@@ -111,6 +111,9 @@ def run(pair, path: str, temp: float, seed: int, broken: str = "") -> tuple[torc
         if mode == "async":
             e.build_cache()
         missed.update(r for r, h in zip(live, reply.hit) if not h)
+        if path == "hitfast":  # every miss really took the fast backup
+            assert reply.fast_rows == int((~reply.hit).sum())
+            fast_rows += reply.fast_rows
         hits += int(reply.hit.sum())
         if rnd > 1:
             late_misses += int((~reply.hit).sum())
@@ -140,6 +143,7 @@ def run(pair, path: str, temp: float, seed: int, broken: str = "") -> tuple[torc
         live = nxt
     if path == "cut":
         assert e.stats.builds_cut == e.stats.builds and hits > 0
+    assert path != "hitfast" or fast_rows > 0
     pure = path in ("hit", "cut")
     # hit path: only step 3 can miss, and only through the odd outcome x1 == s1 (conditions on x1 only)
     assert not pure or (late_misses == 0 and missed == {r for r, a, b in zip(rids, x1, s1) if a == b})

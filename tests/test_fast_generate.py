@@ -148,6 +148,4 @@ def test_tokens_only_answers_relabel_to_the_same_shard(pair, tmp_path, monkeypat
         assert torch.equal(back[key], shard[key]), key
     assert torch.equal(back["topk_ids"][:, :4], shard["topk_ids"][:, :4])  # the top labels; ties past them may swap
     torch.testing.assert_close(back["topk_p"].float(), shard["topk_p"].float(), atol=2e-3, rtol=0)
-    # a wrong prompt length shifts every label: caught
-    bad = draft_data.gen_label_pos(torch.from_numpy(z["offsets"]), torch.from_numpy(z["prompt_lens"]) + 1)
-    assert not torch.equal(bad, shard["label_pos"][: len(bad)]) or len(bad) != len(shard["label_pos"])
+    assert z["prompt_lens"].tolist() == [len(p) for p in prompts]

@@ -141,3 +141,35 @@ def test_unconstrained_requests_in_a_constrained_batch_are_untouched(grammar_env
     allowed0 = torch.isfinite(logits[K + 1])
     assert set(allowed0.nonzero().view(-1).tolist()) == {int(env.cand[i]) for i in range(3)}
     assert not mask_chain_logits(SimpleNamespace(has_grammar=False), chain, logits)
+
+
+def test_greedy_constrained_chain_stops_at_the_grammar_end(grammar_env):
+    """Greedy rows: the committed tokens are the argmax of the MASKED rows (unmasked, the target prefers
+    the forbidden '3'), and once the regex is complete only EOS is allowed, so a round whose drafts run
+    past the end commits '1', '1', EOS (argmax of L0 over {0,1,2} is '1'; after '1' the set is {1,2})."""
+    env = grammar_env
+    c = len(env.cand)
+    L = torch.tensor([0.3, 1.0, -0.4, 2.0, -1.0, 1.5]).expand(K + 1, c)  # every position prefers '3'
+    grammar = env.proto.copy()
+    batch = SimpleNamespace(has_grammar=True, reqs=[SimpleNamespace(grammar=grammar)],
+                            sampling_info=SimpleNamespace(vocab_size=env.vocab, grammar_mask=None))
+    # drafts '1', '1', EOS: all allowed, so all are accepted and the bonus comes after EOS
+    drafts = torch.tensor([[1, 1, 4]])
+    chain = torch.cat([env.cand[5].view(1, 1), env.cand[drafts]], dim=1)
+    logits = torch.full((K + 1, env.vocab), -math.inf)
+    logits[:, env.cand] = L
+    assert mask_chain_logits(batch, chain, logits)
+    p = torch.softmax(logits[:, env.cand], dim=-1)[None]
+    argmax = p.argmax(-1)
+    accept, out = verify_chain(p, drafts, None, torch.ones(1, dtype=torch.bool), target_argmax=argmax)
+    assert out[0, :3].tolist() == [1, 1, 4] and int(accept[0]) == K + 1
+    assert argmax[0, :3].tolist() == [1, 1, 4]  # masked rows: '1', then '1' of {1, 2}, then only EOS
+    # a draft that breaks the grammar ('3' first) is rejected at once; the bonus is the masked argmax
+    drafts = torch.tensor([[3, 1, 4]])
+    chain = torch.cat([env.cand[5].view(1, 1), env.cand[drafts]], dim=1)
+    logits = torch.full((K + 1, env.vocab), -math.inf)
+    logits[:, env.cand] = L
+    mask_chain_logits(batch, chain, logits)
+    p = torch.softmax(logits[:, env.cand], dim=-1)[None]
+    accept, out = verify_chain(p, drafts, None, torch.ones(1, dtype=torch.bool), target_argmax=p.argmax(-1))
+    assert int(accept[0]) == 1 and out[0, 0].item() == 1

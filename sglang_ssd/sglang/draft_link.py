@@ -119,7 +119,7 @@ class DraftLink:
                                              vocab_size=self.vocab_size, eos_ids=self.eos_ids,
                                              timeout_s=None if startup else self.cfg.round_deadline_s,
                                              backup=resolve_backup(self.cfg.backup, self.cfg.draft_device,
-                                                                   self.cfg.mode),
+                                                                   self.cfg.mode, self.spawn),
                                              fan_out_auto=self.cfg.fan_out_auto)
                     break
                 except Exception as exc:  # not up yet
@@ -201,6 +201,8 @@ class DraftLink:
         if late.kind == "speculate":
             ok = isinstance(reply, SpecReply) and reply.round_id == late.round_id \
                 and reply.tokens.shape[0] == len(late.rids)
+            if ok:
+                self.stats.replied(reply, used=False)  # its builds happened all the same
         else:
             ok = isinstance(reply, Ack)
         if not ok:  # rejected (nothing changed on the draft) or confused: those rows are re-prefilled
@@ -301,8 +303,8 @@ class DraftLink:
         self.stats.answer_s += reply.answer_ms / 1e3
         self.stats.backup_s += reply.backup_ms / 1e3
         self.stats.hits += int(hit.sum())
-        return Proposal(tokens, q16, q_valid, max_accept, hit, wait, reply.builds, reply.build_ms, reply.cut_depth,
-                        reply.fast_rows, replied=True)
+        self.stats.replied(reply, used=True)
+        return Proposal(tokens, q16, q_valid, max_accept, hit, wait)
 
     def _deadline(self) -> float:
         """The round's wait bound: round_deadline_s, stretched to 5x the recent reply time so a big

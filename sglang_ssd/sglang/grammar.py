@@ -30,7 +30,8 @@ import torch
 def mask_chain_logits(batch, chain: torch.Tensor, logits: torch.Tensor, barrier=None) -> bool:
     """Mask ``logits`` [bs * n, V] (chain layout, in place) with each constrained request's grammar.
 
-    chain: [bs, n] int64, column 0 the committed root token.  Returns whether a mask was applied.
+    chain: [bs, n] int64 on the host (the walk runs there; a device copy would wait for the verify),
+    column 0 the committed root token.  Returns whether a mask was applied.
     """
     if not batch.has_grammar:
         return False

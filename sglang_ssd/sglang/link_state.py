@@ -23,11 +23,6 @@ class Proposal:
     max_accept: torch.Tensor  # [bs] int64: drafts that may be accepted (0 = target-only round)
     hit: torch.Tensor  # [bs] bool: came from the speculation cache
     wait_s: float = 0.0
-    builds: int = 0  # the reply's cache builds since the previous reply, their total time, the last one's
-    build_ms: float = 0.0  # cut depth (-1 = not cut) and the missed rows the fast backup answered
-    cut_depth: int = -1
-    fast_rows: int = 0
-    replied: bool = False  # came from a draft reply (False: a target-only round)
 
 
 def reply_q16(q: np.ndarray, q_ids: np.ndarray, q_rows: torch.Tensor, bs: int, k: int, vocab_size: int,
@@ -102,8 +97,23 @@ class LinkStats:
     deadline_misses: int = 0  # requests whose reply did not arrive within its deadline (no reconnect)
     late_replies_discarded: int = 0  # replies that arrived after their deadline, received and dropped
     stalled_rounds: int = 0  # rounds decoded target-only without asking, a late reply still outstanding
+    backup_rows: int = 0  # rows of used replies the draft's backup answered (cache misses) ...
+    fast_rows: int = 0  # ... of which by the fast (n-gram / random) backup
+    builds: int = 0  # draft cache builds reported by replies (used or late), their total time, and the
+    build_ms: float = 0.0  # cut ones by the depths they had finished
+    cuts: dict = field(default_factory=dict)
     hist: list[int] = field(default_factory=list)
     last_round_end: Optional[float] = None  # perf_counter stamp of the previous round's end
+
+    def replied(self, reply, used: bool) -> None:
+        """A SpecReply came: its builds always count; its rows only when the proposal was used."""
+        self.builds += reply.builds
+        self.build_ms += reply.build_ms
+        if reply.builds and reply.cut_depth >= 0:
+            self.cuts[reply.cut_depth] = self.cuts.get(reply.cut_depth, 0) + 1
+        if used:
+            self.backup_rows += int((~reply.hit).sum())
+            self.fast_rows += reply.fast_rows
 
     def record(self, accept_lens: list[int], k: int, verify_s: float = 0.0, accept_s: float = 0.0,
                t_start: Optional[float] = None, t_end: Optional[float] = None) -> None:
@@ -133,6 +143,8 @@ class LinkStats:
                 "errors": self.errors, "reconnects": self.reconnects, "deadline_misses": self.deadline_misses,
                 "late_replies_discarded": self.late_replies_discarded, "stalled_rounds": self.stalled_rounds,
                 "resets": self.resets, "resumes": self.resumes, "early_prefills": self.early_prefills,
+                "backup_rows": self.backup_rows, "fast_backup_rows": self.fast_rows, "builds": self.builds,
+                "builds_cut": sum(self.cuts.values()),
                 "accept_hist": self.hist}
 
     def summary(self, mode: str) -> str:

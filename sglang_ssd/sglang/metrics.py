@@ -12,12 +12,14 @@ engine_type, tp_rank, pp_rank, moe_ep_rank).  SGLang's own ``sglang:spec_accept_
   sglang:saguaro_cache_hits_total             rows whose speculation came from the speculation cache
   sglang:saguaro_cache_hit_rate               hits / rows since start (gauge)
   sglang:saguaro_backup_rows_total{kind}      missed rows answered by the backup: kind neural | fast
+                                              (sync mode / SD: every row is drafted this way, neural)
   sglang:saguaro_fallback_rows_total          rows decoded target-only (no usable draft reply)
   sglang:saguaro_draft_wait_seconds           per round: time the worker waited for the draft's reply
   sglang:saguaro_verify_seconds               per round: the target's chain-verify forward
   sglang:saguaro_accept_seconds               per round: target probabilities + exact acceptance
-  sglang:saguaro_cache_build_seconds          per draft cache build (glue + tree + store)
+  sglang:saguaro_cache_build_seconds          per draft cache build (glue + tree + store; cut builds too)
   sglang:saguaro_cache_builds_cut_total{depth} builds cut short by the next round, by depths finished
+                                              (a reply reports its last build's cut: the usual one)
   sglang:saguaro_draft_errors_total           broken-link failures (dead draft, error or bad reply)
   sglang:saguaro_deadline_misses_total        replies that missed the round deadline (round ran target-only)
   sglang:saguaro_reconnects_total{resumed}    reconnects to the draft; resumed="true" kept its state
@@ -51,6 +53,20 @@ def scheduler_labels(server_args) -> dict:
     except (ImportError, AttributeError, ValueError, RuntimeError):  # no runtime context (a worker built in a test)
         return {"model_name": getattr(server_args, "served_model_name", None) or getattr(server_args, "model_path", ""),
                 "engine_type": "unified", "tp_rank": 0, "pp_rank": 0, "moe_ep_rank": 0}
+
+
+_INSTANCE: Optional["SaguaroMetrics"] = None
+
+
+def _exporting_rank(server_args) -> bool:
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        par = get_parallel()
+        return (par.attn_tp_rank == 0 and getattr(par, "attn_cp_rank", 0) == 0) or \
+            bool(getattr(server_args, "enable_metrics_for_all_schedulers", False))
+    except (ImportError, AttributeError, ValueError, RuntimeError):  # no runtime context: a single rank
+        return True
 
 
 class SaguaroMetrics:
@@ -96,42 +112,48 @@ class SaguaroMetrics:
 
     @classmethod
     def maybe(cls, server_args) -> Optional["SaguaroMetrics"]:
-        if not getattr(server_args, "enable_metrics", False):
+        """The process's one instance (prometheus_client refuses a second registration of a name), on the
+        ranks SGLang exports its scheduler metrics from (attention TP rank 0, or all with
+        --enable-metrics-for-all-schedulers); None without --enable-metrics."""
+        global _INSTANCE
+        if not getattr(server_args, "enable_metrics", False) or not _exporting_rank(server_args):
             return None
-        try:
-            return cls(scheduler_labels(server_args))
-        except Exception as exc:  # metrics must never stop serving
-            logger.warning("saguaro metrics disabled: %s", exc)
-            return None
+        if _INSTANCE is None:
+            try:
+                _INSTANCE = cls(scheduler_labels(server_args))
+            except Exception as exc:  # metrics must never stop serving
+                logger.warning("saguaro metrics disabled: %s", exc)
+                return None
+        return _INSTANCE
 
     # ---- once per verified round, from the worker --------------------------------------------
-    def observe(self, stats, prop, rows: int, verify_s: float, accept_s: float) -> None:
-        """stats: DraftLink's LinkStats (cumulative; counters advance by what changed since the last
-        call); prop: this round's Proposal (its reply's wait, hits, backup kind and builds)."""
+    def observe(self, stats, wait_s: float, verify_s: float, accept_s: float) -> None:
+        """stats: DraftLink's LinkStats, cumulative: every counter advances by what changed since the
+        last call (faults and late replies between rounds included); the times are this round's."""
         lb = self.labels
         now = {"rounds": stats.rounds, "rows": stats.rows, "hits": stats.hits, "fallback": stats.fallback_rows,
                "errors": stats.errors, "misses": stats.deadline_misses, "resumes": stats.resumes,
-               "resets": stats.resets}
+               "resets": stats.resets, "fast": stats.fast_rows, "neural": stats.backup_rows - stats.fast_rows,
+               "builds": stats.builds, "build_ms": stats.build_ms,
+               **{f"cut{d}": n for d, n in stats.cuts.items()}}
         d = {k: v - self._last.get(k, 0) for k, v in now.items()}
         self._last = now
         for key, c in (("rounds", self._rounds), ("rows", self._rows), ("hits", self._hits),
                        ("fallback", self._fallback), ("errors", self._errors), ("misses", self._misses)):
             if d[key]:
                 c.labels(**lb).inc(d[key])
-        if d["resumes"]:
-            self._reconnects.labels(**lb, resumed="true").inc(d["resumes"])
-        if d["resets"]:
-            self._reconnects.labels(**lb, resumed="false").inc(d["resets"])
+        for key, label in (("resumes", "true"), ("resets", "false")):
+            if d[key]:
+                self._reconnects.labels(**lb, resumed=label).inc(d[key])
+        for kind in ("fast", "neural"):
+            if d[kind]:
+                self._backup.labels(**lb, kind=kind).inc(d[kind])
+        for key, n in d.items():
+            if key.startswith("cut") and n:
+                self._cut.labels(**lb, depth=key[3:]).inc(n)
+        for _ in range(d["builds"]):  # one observation per build; several since the last round share their mean
+            self._build.labels(**lb).observe(d["build_ms"] / 1e3 / d["builds"])
         self._hit_rate.labels(**lb).set(stats.hits / max(stats.rows, 1))
+        self._wait.labels(**lb).observe(wait_s)
         self._verify.labels(**lb).observe(verify_s)
         self._accept.labels(**lb).observe(accept_s)
-        self._wait.labels(**lb).observe(prop.wait_s)
-        if prop.replied:  # not a target-only round
-            misses = rows - int(prop.hit.sum())
-            if misses:
-                self._backup.labels(**lb, kind="fast").inc(prop.fast_rows)
-                self._backup.labels(**lb, kind="neural").inc(misses - prop.fast_rows)
-        for _ in range(prop.builds):  # one observation per build; several since one reply share their mean
-            self._build.labels(**lb).observe(prop.build_ms / 1e3 / prop.builds)
-        if prop.builds and prop.cut_depth >= 0:
-            self._cut.labels(**lb, depth=str(prop.cut_depth)).inc()

@@ -142,7 +142,8 @@ class SaguaroWorker(BaseSpecWorker):
 
         # 2. one target forward over the chain [root, d_1..d_K] per request
         root = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64)
-        chain = torch.cat([root[:, None], prop.tokens], dim=1).to(self.device)
+        chain_host = torch.cat([root[:, None], prop.tokens], dim=1)
+        chain = chain_host.to(self.device)
         seq_lens = batch.seq_lens
         cols = seq_lens.to(torch.int64)[:, None] + torch.arange(n, device=self.device)
         # the scheduler pre-allocated and registered these n slots per request (alloc_for_spec_decode)
@@ -156,7 +157,7 @@ class SaguaroWorker(BaseSpecWorker):
         t_verify = time.perf_counter()
         result = self._target_worker.forward_batch_generation(batch, is_verify=True)
         # constrained requests: row j masked by the grammar after d_1..d_j, in place (logprobs see it too)
-        mask_chain_logits(batch, chain, result.logits_output.next_token_logits, grammar_barrier)
+        mask_chain_logits(batch, chain_host, result.logits_output.next_token_logits, grammar_barrier)
         logits = self._adjust_logits(result.logits_output.next_token_logits, info)[:, : self.vocab_size]
         logits = logits.float().view(bs, n, -1)
         t_accept = time.perf_counter()
@@ -184,7 +185,7 @@ class SaguaroWorker(BaseSpecWorker):
         self.link.record(accept_lens.tolist(), verify_s=t_accept - t_verify, accept_s=t_end - t_accept,
                          t_start=t_start, t_end=t_end)
         if self.metrics is not None:
-            self.metrics.observe(self.link.stats, prop, bs, verify_s=t_accept - t_verify, accept_s=t_end - t_accept)
+            self.metrics.observe(self.link.stats, prop.wait_s, verify_s=t_accept - t_verify, accept_s=t_end - t_accept)
         if self.link.stats.rounds % self.cfg.stats_interval == 0:
             logger.info(self.link.summary())
         if self.cfg.stats_file:

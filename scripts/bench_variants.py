@@ -3,7 +3,8 @@
 
 Each variant is one server (target on core 0, draft on core 1, as scripts/bench_cpu.py), measured on the same
 prompts, batch sizes and temperatures, so a hot-path change or a setting reports before/after ratios from one run.
-A variant is a name, a mode (ar / sd / ssd), optional SGLANG_SSD_CONFIG overrides ("config"), environment
+A variant is a name, a mode (ar / sd / ssd), an optional draft directory ("draft"; default the prepared
+trained draft), optional SGLANG_SSD_CONFIG overrides ("config"), environment
 variables for its server and draft ("env"), an optional target dtype and
 an optional "tree": a checkout whose sglang_ssd the variant's server and draft run (PYTHONPATH), for a
 before/after of two commits in one run (e.g. `git worktree add /tmp/before <rev>`):
@@ -50,7 +51,7 @@ def server(v: dict, k: int, workdir: str) -> SGLangServer:
     env, name = {}, v["name"]
     endpoint, stats = f"ipc://{workdir}/{name}.sock", os.path.join(workdir, f"{name}.json")
     if v["mode"] != "ar":
-        extra += ["--speculative-algorithm", "saguaro", "--speculative-draft-model-path", paths.draft_path(),
+        extra += ["--speculative-algorithm", "saguaro", "--speculative-draft-model-path", v.get("draft", paths.draft_path()),
                   "--speculative-num-steps", str(k)]
         cfg = {"mode": "sync" if v["mode"] == "sd" else "async", "fan_out": 4, "draft_endpoint": endpoint,
                "stats_file": stats, "stats_interval": 100000, **v.get("config", {})}

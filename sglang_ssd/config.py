@@ -19,7 +19,9 @@ backup                 ``SGLANG_SSD_CONFIG["backup"]``             null = by dra
                                                                    results/variants_backup_kind.md),
                                                                    else "neural"; "neural" (draft
                                                                    decodes just in time); "fast"
-                                                                   (n-gram / random tokens); "auto"
+                                                                   (n-gram / random tokens); "hybrid"
+                                                                   (one draft step, n-gram after it);
+                                                                   "auto"
                                                                    (by batch size, Cor. 16)
 saguaro_c              ``SGLANG_SSD_CONFIG["saguaro_c"]``          1.0 (Saguaro sampling C in (0, 1];
                                                                    per request: sampling_params
@@ -139,7 +141,7 @@ class SaguaroConfig:
             raise SaguaroConfigError(f"{ENV_VAR} key 'fan_out_auto' must be true or false")
         from sglang_ssd.protocol import BACKUPS  # the one list of backup kinds (the wire validates it too)
         if self.backup is not None and self.backup not in BACKUPS:
-            raise SaguaroConfigError(f"{ENV_VAR} key 'backup' must be 'neural', 'fast' or 'auto', got {self.backup!r}")
+            raise SaguaroConfigError(f"{ENV_VAR} key 'backup' must be one of {BACKUPS}, got {self.backup!r}")
         if check_saguaro_c(self.saguaro_c) is None:
             raise SaguaroConfigError(f"{ENV_VAR} key 'saguaro_c' must be a number in (0, 1], got {self.saguaro_c!r}")
         if not isinstance(self.draft_device, str) or not (

@@ -23,12 +23,13 @@ import msgpack
 import numpy as np
 
 MAGIC = "sglang-ssd"
-PROTOCOL_VERSION = 6  # 2: Prefill carries per-request Saguaro sampling C; Hello the backup kind
+PROTOCOL_VERSION = 7  # 2: Prefill carries per-request Saguaro sampling C; Hello the backup kind
                       # 3: HelloReply says whether the session was resumed (state kept)
                       # 4: Prefill.round0: build a round-0 cache (sent while the target prefills)
                       # 5: SpecReply.q_ids: q travels over the draft head's token ids only
                       # 6: SpecReply.builds / cut_depth / fast_rows (for the worker's metrics)
-BACKUPS = ("neural", "fast", "auto")
+                      # 7: backup "hybrid" (one neural draft step, then n-gram; counted in fast_rows)
+BACKUPS = ("neural", "fast", "hybrid", "auto")
 MAX_HEADER_BYTES = 4 << 20        # msgpack header frame
 MAX_FRAME_BYTES = 1 << 30         # any array frame (q of a large batch is the big one)
 MAX_BATCH = 4096                  # rows per Prefill / Speculate / Release

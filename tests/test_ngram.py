@@ -61,6 +61,41 @@ def test_index_matches_scan(toks, max_n, min_n, k, self_extend):
             assert idx.propose(k, 4, g1) == spec.propose(toks[: i + 1], k, 4, g2)
 
 
+def _propose_after_scan(toks, extra, max_n, min_n, k, self_extend, g):
+    """Reference for NgramIndex.propose_after: scan context + extra for its longest suffix n-gram whose
+    successor is a context token (most recent first), copy from there over context + extra."""
+    ext, n_ctx = list(toks) + list(extra), len(toks)
+    for n in range(min(max_n, len(ext) - 1), min_n - 1, -1):
+        for e in range(n_ctx - 1, n - 1, -1):
+            if ext[e - n:e] == ext[len(ext) - n:]:
+                out = []
+                for i in range(k):
+                    s = e + i
+                    if s < len(ext):
+                        out.append(ext[s])
+                    elif self_extend:
+                        out.append(out[s - len(ext)])
+                    else:
+                        break
+                return out + torch.randint(0, 4, (k - len(out),), generator=g).tolist(), [False] * len(out) + [True] * (k - len(out))
+    return torch.randint(0, 4, (k,), generator=g).tolist(), [True] * k
+
+
+@settings(max_examples=150, deadline=None)
+@given(toks=st.lists(st.integers(0, 3), max_size=30), extra=st.lists(st.integers(0, 3), max_size=3),
+       max_n=st.integers(1, 4), min_n=st.integers(1, 4), k=st.integers(1, 4), self_extend=st.booleans())
+def test_propose_after_matches_scan(toks, extra, max_n, min_n, k, self_extend):
+    """The hybrid backup's tail: copies continue after tokens the draft model proposed, index untouched."""
+    min_n = min(min_n, max_n)
+    idx = NgramIndex(max_n, min_n, self_extend, tokens=toks)
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert idx.propose_after(extra, k, 4, g1) == _propose_after_scan(toks, extra, max_n, min_n, k, self_extend, g2)
+    assert len(idx) == len(toks)
+    if not extra:
+        g1, g2 = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+        assert idx.propose_after([], k, 4, g1) == idx.propose(k, 4, g2)
+
+
 def test_fast_on_long_context():
     rng = random.Random(0)
     toks = [rng.randrange(32000) for _ in range(4000)]  # no repeats: full scan, the worst case

@@ -6,7 +6,10 @@ prompt-lookup copying over the request's own tokens, uniform random tokens where
 (near-free, accepts less).  Each proposal carries its TRUE proposal distribution for the verifier:
 one-hot for a copied token (a deterministic function of the context), uniform for a random one.
 
-The kind is the session's ``backup`` setting: "neural", "fast", or "auto" = BackupPolicy (Corollary 16:
+"hybrid" = the draft model decodes the first token (one step, which also brings its KV up to date for
+the cache build that follows), the n-gram copy proposes the rest from the context plus that token.
+
+The kind is the session's ``backup`` setting: "neural", "fast", "hybrid", or "auto" = BackupPolicy (Corollary 16:
 fast wins past the critical batch size b*), fed by what the engine sees between rounds: which rows hit,
 how many tokens each speculation yielded (k + 1 from the next Speculate), the interval between a reply
 and the next request (taken as the verify time), and its own build / backup times.
@@ -29,23 +32,40 @@ NGRAM_MAX_N, NGRAM_MIN_N = 4, 1
 
 
 def fast_backup(states: Sequence[RequestState], k: int, vocab_size: int,
-                generator: Optional[torch.Generator]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                generator: Optional[torch.Generator],
+                head: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None,
+                cols: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """-> tokens [m, K] long, q16 [m, K, V] float16 (None if every row is greedy; greedy rows' q rows
-    are zero).  The n-gram index of each request grows incrementally with its context."""
+    are zero).  The n-gram index of each request grows incrementally with its context.
+
+    head (the "hybrid" kind): (tokens [m, h], q16 [m, h, W] or None) the draft model already proposed
+    for the first h positions; the n-gram copy then continues after them (context + head), and the
+    head's q rows (over the draft's column space, W = len(cols) or V) are scattered to V.  Copied tail
+    tokens are a deterministic function of context + head, so their one-hot q is the exact conditional
+    proposal, as in the pure fast kind."""
     m = len(states)
     toks = torch.zeros(m, k, dtype=torch.long)
+    h = 0 if head is None else int(head[0].shape[1])
     q16 = None
     for i, st in enumerate(states):
         if st.ngram is None:
             st.ngram = NgramIndex(NGRAM_MAX_N, NGRAM_MIN_N)
         st.ngram.extend(st.tokens[len(st.ngram):])  # contexts only grow (a new prefill makes a new state)
-        proposed, is_random = st.ngram.propose(k, vocab_size, generator)
-        toks[i] = torch.as_tensor(proposed)
+        lead = [] if head is None else head[0][i].tolist()
+        proposed, is_random = (st.ngram.propose_after(lead, k - h, vocab_size, generator) if h
+                               else st.ngram.propose(k, vocab_size, generator))
+        toks[i] = torch.as_tensor(lead + proposed)
         if st.temperature > 0:
             if q16 is None:
                 q16 = torch.zeros(m, k, vocab_size, dtype=torch.float16)
             # one-hot / uniform rows survive float16 exactly (a uniform row stays uniform after renormalising)
-            q16[i] = quantize_proposal(proposal_rows(proposed, is_random, vocab_size))
+            q16[i, h:] = quantize_proposal(proposal_rows(proposed, is_random, vocab_size))
+            if h:
+                qh = head[1][i].to(device="cpu", dtype=torch.float16)
+                if cols is None:
+                    q16[i, :h] = qh
+                else:
+                    q16[i, :h].index_copy_(1, cols.cpu(), qh)
     return toks, q16
 
 
@@ -56,15 +76,16 @@ class BackupChooser:
         if mode not in BACKUPS:
             raise ValueError(f"backup must be one of {BACKUPS}, got {mode!r}")
         self.mode = mode
-        # "auto" measures both kinds (exploration from batch 2, where fast can pay) before it trusts the model
-        self.policy = BackupPolicy(override=mode, explore_min_batch=2)
+        # "auto" measures both kinds (exploration from batch 2, where fast can pay) before it trusts the model;
+        # "hybrid" is a fixed choice (the policy's model covers neural vs fast only)
+        self.policy = BackupPolicy(override="auto" if mode == "hybrid" else mode, explore_min_batch=2)
         self._t_reply: Optional[float] = None
         self._last: dict[str, float] = {}
-        self.rows = {"neural": 0, "fast": 0}
+        self.rows = {"neural": 0, "fast": 0, "hybrid": 0}
 
     def observe(self, states: Sequence[RequestState], ks: Sequence[int]) -> None:
         """Called at the start of a round: the previous round's speculations were verified."""
-        if self._t_reply is None or not self._last:
+        if self._t_reply is None or not self._last or self.mode == "hybrid":
             return
         rows = [(st.last_hit, k + 1) for st, k in zip(states, ks) if k >= 0 and st.last_spec is not None]
         t_verify = time.perf_counter() - self._t_reply
@@ -75,7 +96,7 @@ class BackupChooser:
                                   t_build=self._last.get("build_s"), t_backup=self._last.get("backup_s"))
 
     def choose(self, batch_size: int) -> str:
-        return self.policy.choose(batch_size)
+        return "hybrid" if self.mode == "hybrid" else self.policy.choose(batch_size)
 
     def replied(self, kind: str, n_rows: int, backup_s: Optional[float]) -> None:
         self.rows[kind] += n_rows

@@ -257,6 +257,11 @@ class DraftEngine:
         if missed and kind == "fast":
             toks, qs = fast_backup([states[i] for i in missed], k_spec, self.runner.vocab_size, self.gen)
             raw = None
+        elif missed and kind == "hybrid":  # one draft-model step, n-gram copy after it
+            sub = [states[i] for i in missed]
+            head = self._decode_backup(sub, keep_logits=False, steps=1)[:2]
+            toks, qs = fast_backup(sub, k_spec, self.runner.vocab_size, self.gen, head=head, cols=self.runner.cols)
+            raw = None
         elif missed:
             toks, qs, raw = self._decode_backup([states[i] for i in missed], keep_logits=s.mode == "async")
         if missed:
@@ -285,7 +290,7 @@ class DraftEngine:
         built, st_.unsent = st_.unsent, {}
         return SpecReply(round_id=msg.round_id, tokens=tokens.numpy(), hit=hit,
                          q_rows=np.asarray(q_rows, dtype=np.int64), q=q, q_ids=q_ids, answer_ms=answer_ms,
-                         backup_ms=backup_ms, fast_rows=len(missed) if kind == "fast" else 0, **built)
+                         backup_ms=backup_ms, fast_rows=len(missed) if kind != "neural" else 0, **built)
 
     def _wire_q(self, rows: list[torch.Tensor], k_spec: int) -> tuple[np.ndarray, np.ndarray]:
         """The reply's q rows -> (q [m, K, W] float16, q_ids): over the head's own ids when every row is in
@@ -304,12 +309,13 @@ class DraftEngine:
             dense.append(r)
         return torch.stack(dense).cpu().numpy(), np.zeros(0, dtype=np.int64)
 
-    def _decode_backup(self, states: Sequence[RequestState], keep_logits: bool = True):
-        """Just-in-time K-token decode from each state's context, batched across rows.
+    def _decode_backup(self, states: Sequence[RequestState], keep_logits: bool = True, steps: Optional[int] = None):
+        """Just-in-time K-token decode (or the first `steps` tokens) from each state's context, batched
+        across rows.
 
         -> tokens [m, K], q16 [m, K, W] or None, raw logits [m, K, W] (reused as glue rows 0..K-1;
         None unless keep_logits); W = the runner's column space (a reduced head's own ids, or V)."""
-        k_spec = self.session.k
+        k_spec = self.session.k if steps is None else steps
         m, v = len(states), self.runner.n_cols
         temps = [st.temperature for st in states]
         cs = [st.saguaro_c for st in states]
@@ -361,6 +367,7 @@ class DraftEngine:
             "forced_misses": c.forced_misses, "hit_rate": c.hits / max(c.lookups, 1),
             "backup_rows": st.backup_rows, "live_requests": len(self.requests),
             "neural_backup_rows": self.backups.rows["neural"], "fast_backup_rows": self.backups.rows["fast"],
+            "hybrid_backup_rows": self.backups.rows["hybrid"],
             "backup_fast_now": int(self.backups.policy.current == "fast"),
             **(self.fanout.report() if self.fanout is not None else {}),
             "kv_tokens": sum(r.kv_valid for r in self.requests.values()),

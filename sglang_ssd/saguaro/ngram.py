@@ -127,6 +127,19 @@ class NgramIndex:
         copied = _copy(self.tokens, e, k, self.self_extend) if n > 0 else []
         return _pad(copied, k, vocab_size, generator)
 
+    def propose_after(self, extra: Sequence[int], k: int, vocab_size: int,
+                      generator: Optional[torch.Generator] = None) -> tuple[list[int], list[bool]]:
+        """As ``propose`` for the context tokens + extra, leaving the index as it is (extra = tokens
+        already proposed this round by someone else).  The same proposal as NgramSpeculator over
+        tokens + extra, except that only n-grams followed by a context token are copy sources."""
+        ext = list(self.tokens) + [int(t) for t in extra]
+        n_len = len(ext)
+        for n in range(min(self.max_n, n_len - 1), self.min_n - 1, -1):
+            e = self.index[n].get(tuple(ext[n_len - n:]))
+            if e is not None:
+                return _pad(_copy(ext, e, k, self.self_extend), k, vocab_size, generator)
+        return _pad([], k, vocab_size, generator)
+
 
 def proposal_rows(tokens: Sequence[int], is_random: Sequence[bool], vocab_size: int,
                   dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:

@@ -559,6 +559,39 @@ def test_fast_backup_proposes_ngram_copies_with_their_true_q(runner):
         Hello(PROTOCOL_VERSION, "t", K, "sync", FAN, V, [1], None, "magic").encode()
 
 
+def test_hybrid_backup_is_one_model_token_then_ngram_copies(runner):
+    """backup='hybrid': one draft forward per round; position 0 = the draft's own token (greedy: the argmax;
+    sampled: q = its softmax), positions 1.. = NgramIndex.propose_after(that token) with one-hot / uniform q."""
+    from sglang_ssd.saguaro.ngram import NgramIndex
+
+    temps = {"r0": 1.0, "r1": 0.0, "r2": 0.8}
+    e = DraftEngine(runner, seed=5)
+    e.hello(Hello(PROTOCOL_VERSION, "t", K, "sync", FAN, V, [1], None, "hybrid"))
+    t = Target(e, temps)
+    rng = random.Random(5)
+    outcomes = {r: (-1, PROMPTS[r][1]) for r in PROMPTS}
+    for rnd in range(3):
+        calls = runner.forward_calls
+        rids, reply = t.step(outcomes)
+        assert runner.forward_calls == calls + 1 and reply.fast_rows == 3
+        for i, r in enumerate(rids):
+            got = t.spec[r]
+            first = greedy_reference(runner, t.ctx[r], 1)[0]
+            want, is_random = NgramIndex(4, 1, tokens=t.ctx[r]).propose_after([got[0]], K - 1, V)
+            assert [g for g, x in zip(got[1:], is_random) if not x] == [w for w, x in zip(want, is_random) if not x]
+            q = reply.q_for_row(i, V)
+            if temps[r] == 0:
+                assert got[0] == first and q is None
+                continue
+            check_q(runner, t.ctx[r], got[:1], np.asarray(q)[:1], temps[r], fs=[e.session.fan_out_miss[0]])
+            q = dequantize_proposal(torch.as_tensor(np.asarray(q)))
+            for j, x in enumerate(is_random, start=1):
+                assert torch.allclose(q[j], torch.full((V,), 1.0 / V)) if x else q[j, got[j]] == 1.0
+        outcomes = {r: (rng.randint(-1, K), rng.randrange(V)) for r in PROMPTS}
+    h = e.health()
+    assert h["hybrid_backup_rows"] == 9 and h["neural_backup_rows"] == 0 and h["fast_backup_rows"] == 0
+
+
 def test_fan_out_auto_refits_the_schedule_and_builds_with_it(runner):
     """fan_out_auto: rows feed the planner; after a refresh the session's schedules change (same budget),
     the next caches are built with them, and health / the stats command report the fit."""

@@ -160,6 +160,7 @@ def _snapshot(srv) -> dict:
         link = {}
     snap = {k: link.get(k, 0) for k in LINK_KEYS}
     snap["accepted"] = link.get("accept_len", 0) * link.get("rows", 0)
+    snap["hit_rows"], snap["accepted_hit"] = link.get("hit_rows", 0), link.get("accepted_hit", 0)
     with DraftClient(srv.endpoint, timeout_s=30) as client:
         h = client.health()
     snap.update({k: h.get(k, 0) for k in DRAFT_KEYS})
@@ -190,6 +191,9 @@ def run_cell(srv, c: dict, prompts: list[list[int]], tokens: int) -> dict:
         d = {k: after[k] - before[k] for k in after}
         rounds, rows = max(d["rounds"], 1), max(d["rows"], 1)
         res.update({"rounds": d["rounds"], "rows": d["rows"], "accept_len": round(d["accepted"] / rows, 3),
+                    # tokens per round of cache-hit rows and of the rest (backup and target-only rows)
+                    "e_hit": round(d["accepted_hit"] / max(d["hit_rows"], 1), 3),
+                    "e_miss": round((d["accepted"] - d["accepted_hit"]) / max(d["rows"] - d["hit_rows"], 1), 3),
                     "hit_rate": round(d["hits"] / rows, 3), "waited_frac": round(d["waited_rounds"] / rounds, 3),
                     "backup_frac": round(d["backup_rows"] / rows, 3),
                     "fast_backup_rows": d["fast_backup_rows"], "fallback_rows": d["fallback_rows"],

@@ -42,7 +42,7 @@ from sglang_ssd.serving import SGLangServer  # noqa: E402
 
 log = logging.getLogger("bench_variants")
 RESULTS = HERE.parent / "results"
-COLUMNS = ("tok_s", "accept_len", "hit_rate", "wait_ms", "draft_answer_ms", "verify_ms", "sched_gap_ms",
+COLUMNS = ("tok_s", "accept_len", "e_hit", "e_miss", "hit_rate", "wait_ms", "draft_answer_ms", "verify_ms", "sched_gap_ms",
            "build_ms", "resets", "deadline_misses")
 
 

@@ -137,9 +137,11 @@ def test_saguaro_equals_plain_sglang(mode, target_path, draft_path, prompts, ref
     assert stats["rounds"] > 0 and stats["errors"] == 0 and stats["fallback_rows"] == 0
     assert 1.0 < stats["accept_len"] < 5.0, stats
     if mode == "async":
-        assert stats["hits"] > 0, stats
+        assert stats["hits"] > 0 and 0 < stats["hit_rows"] <= stats["rows"], stats
+        assert 1.0 <= stats["accept_len_hit"] <= 5.0 and stats["hit_rows"] <= stats["accepted_hit"], stats
     else:
-        assert stats["hits"] == 0, stats
+        assert stats["hits"] == 0 and stats["hit_rows"] == 0 and stats["accept_len_hit"] == 0, stats
+        assert stats["accept_len_miss"] == stats["accept_len"], stats
     # the draft holds no state for finished / aborted requests
     assert health["live_requests"] == 0, health
 

@@ -384,9 +384,10 @@ class DraftLink:
             hit=torch.zeros(bs, dtype=torch.bool), wait_s=time.perf_counter() - t0)
 
     def record(self, accept_lens: list[int], verify_s: float = 0.0, accept_s: float = 0.0,
-               t_start: Optional[float] = None, t_end: Optional[float] = None) -> None:
-        """One verified round: accepted lengths and where its time went (perf_counter stamps)."""
-        self.stats.record(accept_lens, self.k, verify_s, accept_s, t_start, t_end)
+               t_start: Optional[float] = None, t_end: Optional[float] = None,
+               hits: Optional[list[bool]] = None) -> None:
+        """One verified round: accepted lengths, hit rows and where its time went (perf_counter stamps)."""
+        self.stats.record(accept_lens, self.k, verify_s, accept_s, t_start, t_end, hits)
 
     def as_dict(self) -> dict:
         return self.stats.as_dict(self.cfg.mode, self.k, self.cfg.fan_out)

@@ -81,6 +81,8 @@ class LinkStats:
     hits: int = 0
     fallback_rows: int = 0
     accepted: int = 0  # accepted drafts + bonus tokens
+    accepted_hit: int = 0  # ... of rows whose speculation came from the cache (E_hit = accepted_hit / hit_rows)
+    hit_rows: int = 0  # verified rows that were cache hits (hits counts them as replies come)
     wait_s: float = 0.0
     waited_rounds: int = 0  # rounds whose draft reply took longer than WAITED_S (the target waited)
     verify_s: float = 0.0  # target forward over the chains
@@ -116,8 +118,13 @@ class LinkStats:
             self.fast_rows += reply.fast_rows
 
     def record(self, accept_lens: list[int], k: int, verify_s: float = 0.0, accept_s: float = 0.0,
-               t_start: Optional[float] = None, t_end: Optional[float] = None) -> None:
-        """One verified round: accepted lengths and where its time went (perf_counter stamps)."""
+               t_start: Optional[float] = None, t_end: Optional[float] = None,
+               hits: Optional[list[bool]] = None) -> None:
+        """One verified round: accepted lengths, which rows were cache hits, and where its time went
+        (perf_counter stamps)."""
+        if hits is not None:
+            self.hit_rows += sum(hits)
+            self.accepted_hit += sum(a for a, h in zip(accept_lens, hits) if h)
         self.verify_s += verify_s
         self.accept_s += accept_s
         if t_start is not None and t_end is not None:
@@ -136,6 +143,9 @@ class LinkStats:
         rows = max(self.rows, 1)
         return {"mode": mode, "k": k, "fan_out": fan_out, "rounds": self.rounds,
                 "rows": self.rows, "hits": self.hits, "hit_rate": self.hits / rows, "accept_len": self.accepted / rows,
+                "hit_rows": self.hit_rows, "accepted_hit": self.accepted_hit,
+                "accept_len_hit": self.accepted_hit / max(self.hit_rows, 1),
+                "accept_len_miss": (self.accepted - self.accepted_hit) / max(self.rows - self.hit_rows, 1),
                 "draft_wait_ms": 1000 * self.wait_s / max(self.rounds, 1), "fallback_rows": self.fallback_rows,
                 "waited_rounds": self.waited_rounds, "wait_s": self.wait_s, "verify_s": self.verify_s,
                 "accept_s": self.accept_s, "round_s": self.round_s, "gap_s": self.gap_s, "answer_s": self.answer_s,

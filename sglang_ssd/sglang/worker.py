@@ -183,7 +183,7 @@ class SaguaroWorker(BaseSpecWorker):
         accept_lens = accept_lens.to(torch.int32)
         t_end = time.perf_counter()
         self.link.record(accept_lens.tolist(), verify_s=t_accept - t_verify, accept_s=t_end - t_accept,
-                         t_start=t_start, t_end=t_end)
+                         t_start=t_start, t_end=t_end, hits=prop.hit.tolist())
         if self.metrics is not None:
             self.metrics.observe(self.link.stats, prop.wait_s, verify_s=t_accept - t_verify, accept_s=t_end - t_accept)
         if self.link.stats.rounds % self.cfg.stats_interval == 0:

@@ -14,9 +14,10 @@ fan_out_auto           ``SGLANG_SSD_CONFIG["fan_out_auto"]``       true: re-fit 
                                                                    (Theorem 12), budget = sum(fan_out);
                                                                    false: fan_out as given (measured:
                                                                    results/saguaro_bench.md)
-backup                 ``SGLANG_SSD_CONFIG["backup"]``             null = by draft device: "fast" for a
-                                                                   CPU draft in async mode (measured:
-                                                                   results/variants_backup_kind.md),
+backup                 ``SGLANG_SSD_CONFIG["backup"]``             null = by draft device:
+                                                                   "hybrid" for a CPU draft in async
+                                                                   mode (measured: results/
+                                                                   variants_hybrid_draft2.md),
                                                                    else "neural"; "neural" (draft
                                                                    decodes just in time); "fast"
                                                                    (n-gram / random tokens); "hybrid"
@@ -235,15 +236,18 @@ def resolve_draft_device(setting: str, target_device: str, target_gpus: set[int]
 
 def resolve_backup(setting: Optional[str], draft_device: str, mode: str, spawned: bool = True) -> str:
     """backup null -> the kind to use.  Sync mode (SD) drafts every round with the neural draft (its
-    "backup" IS the draft).  In async mode a CPU draft answers misses with the fast (n-gram / random)
-    backup: on the 2-core CPU pair it was as fast or faster than the neural one in 11 of 12 cells
-    (b = 1-8, T = 0 / 1; results/variants_backup_kind.md, variants_backup_auto.md) and cut the target's
-    wait for the draft from 13-40 ms to 2-6 ms per round.  A GPU draft keeps the neural backup (the
+    "backup" IS the draft).  In async mode a CPU draft answers misses with the hybrid backup (one draft
+    step, n-gram copies after it).  On the 2-core CPU pair the fast (n-gram / random) backup was as fast or
+    faster than the neural one in 11 of 12 cells (b = 1-8, T = 0 / 1; results/variants_backup_kind.md,
+    variants_backup_auto.md), cutting the target's wait for the draft from 13-40 ms to 2-6 ms per round;
+    the hybrid one keeps most of that (8-24 ms) and lifts a missed row's tokens per round from 1.06-1.27 to
+    1.38-1.47, 1.05-1.13x the fast one in 3 of 4 cells and 0.97x in one (b = 1 / 4, T = 0 / 1,
+    results/variants_hybrid_draft2.md).  A GPU draft keeps the neural backup (the
     paper's choice at small batch, where the draft's decode is cheap), and so does a draft the worker did
     not start (spawned False: its device is not known here).  Explicit settings stand."""
     if setting is not None:
         return setting
-    return "fast" if spawned and mode == "async" and str(draft_device) == "cpu" else "neural"
+    return "hybrid" if spawned and mode == "async" and str(draft_device) == "cpu" else "neural"
 
 
 def check_saguaro_c(v: Any) -> Optional[float]:

@@ -174,12 +174,12 @@ def test_backup_default_by_draft_device(draft_path):
 
     cfg = SaguaroConfig.from_sources(draft_path, 4, env={})
     assert cfg.backup is None  # by device
-    assert resolve_backup(None, "cpu", "async") == "fast"       # CPU draft: the measured-faster backup
+    assert resolve_backup(None, "cpu", "async") == "hybrid"     # CPU draft: the measured-faster backup
     assert resolve_backup(None, "cuda:1", "async") == "neural"  # GPU draft: the paper's small-batch choice
     assert resolve_backup(None, "auto", "async") == "neural"    # a remote draft of unknown device
     assert resolve_backup(None, "cpu", "sync") == "neural"      # SD drafts with the draft model itself
     assert resolve_backup(None, "cpu", "async", spawned=False) == "neural"  # a draft we did not start
-    for kind in ("neural", "fast", "auto"):
+    for kind in ("neural", "fast", "hybrid", "auto"):
         assert resolve_backup(kind, "cpu", "sync") == kind      # explicit settings stand
         assert SaguaroConfig.from_sources(draft_path, 4, env={"SGLANG_SSD_CONFIG": f'{{"backup": "{kind}"}}'}).backup == kind
     with pytest.raises(SaguaroConfigError, match="backup"):

@@ -51,7 +51,8 @@ TEMPS = (0.0, 1.0)
 CONTEXTS = (100, 1000, 3000)  # tier 4 prompt lengths (tokens)
 FAN_OUT = 4  # per depth (budget 4 K), as the demo and results/draft_quality.md
 LINK_KEYS = ("rounds", "rows", "hits", "fallback_rows", "waited_rounds", "wait_s", "verify_s", "accept_s",
-             "round_s", "gap_s", "answer_s", "backup_s", "errors", "resets", "deadline_misses", "early_prefills")
+             "round_s", "gap_s", "answer_s", "backup_s", "errors", "resets", "deadline_misses", "early_prefills",
+             "hit_rows", "accepted_hit")
 DRAFT_KEYS = ("neural_backup_rows", "fast_backup_rows", "backup_rows", "builds", "builds_cut")
 
 
@@ -160,7 +161,6 @@ def _snapshot(srv) -> dict:
         link = {}
     snap = {k: link.get(k, 0) for k in LINK_KEYS}
     snap["accepted"] = link.get("accept_len", 0) * link.get("rows", 0)
-    snap["hit_rows"], snap["accepted_hit"] = link.get("hit_rows", 0), link.get("accepted_hit", 0)
     with DraftClient(srv.endpoint, timeout_s=30) as client:
         h = client.health()
     snap.update({k: h.get(k, 0) for k in DRAFT_KEYS})

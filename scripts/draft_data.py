@@ -42,6 +42,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -64,6 +65,7 @@ GEN_TOKENS = 96
 GEN_PASSES = (1.0, 0.7, 0.0, 1.0)
 # job pattern: one generation job (512 prompts, up to 49k positions) per four text jobs (4k positions)
 PATTERN = ("gen", "text", "text", "text", "text")
+GEN_ASSETS = HERE.parent / "assets" / "gen"  # answers already committed as tokens only (export_gen)
 
 
 def data_dir() -> Path:
@@ -162,9 +164,21 @@ def generate(gen, tok, prompts: list[list[int]], temperature: float, seed: int) 
 
 
 # ----------------------------------------------------------------------------------------------- driver
-def run(minutes: float, seed: int, threads: int, kinds=("text", "gen"), part=(0, 1)) -> None:
+def job_done(job: int, kind: str, out: Path, exported: Optional[Path]) -> bool:
+    """A job is done when its shard is in the data directory or, for a generation job, when its answers
+    are already exported (``exported``/gen_<job>.npz: a fresh machine then continues with new prompts
+    instead of sampling the committed ones again; ``--import-gen`` labels those)."""
+    if (out / f"shard_{job:05d}_{kind}.safetensors").exists():
+        return True
+    return kind == "gen" and exported is not None and (exported / f"gen_{job:05d}.npz").exists()
+
+
+def run(minutes: float, seed: int, threads: int, kinds=("text", "gen"), part=(0, 1),
+        exported: Optional[Path] = GEN_ASSETS) -> None:
     """Jobs in the fixed order; this process does job j when its kind is in ``kinds`` and j % n == i
-    for part (i, n), so n processes (one per core) share the list without doing a job twice."""
+    for part (i, n), so n processes (one per core) share the list without doing a job twice.  A job is
+    not started when less time is left than the last job of its kind took (it would be killed unfinished
+    and lost)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     torch.set_num_threads(threads)
     out = data_dir()
@@ -181,6 +195,7 @@ def run(minutes: float, seed: int, threads: int, kinds=("text", "gen"), part=(0,
     deadline = time.time() + minutes * 60
     ti = gi = job = 0
     t_start, pos_new = time.time(), 0
+    last_s: dict[str, float] = {}  # duration of the last job of each kind
     n_gen = len(prompts) * len(GEN_PASSES)  # answer slots: every prompt once per pass
     while time.time() < deadline:
         kind = PATTERN[job % len(PATTERN)]
@@ -195,7 +210,12 @@ def run(minutes: float, seed: int, threads: int, kinds=("text", "gen"), part=(0,
         if not batch and kind in kinds:
             log.info("%s pool exhausted", kind)
             break
-        if batch and kind in kinds and job % part[1] == part[0] and not path.exists():
+        if batch and kind in kinds and job % part[1] == part[0] and not job_done(job, kind, out, exported):
+            if deadline - time.time() < last_s.get(kind, 0.0):
+                log.info("%.1f min left, the last %s job took %.1f: stopping before job %d", (deadline - time.time()) / 60,
+                         kind, last_s[kind] / 60, job)
+                break
+            t_job = time.time()
             if kind == "text":
                 shard = score_text(target, batch)
             else:
@@ -203,6 +223,7 @@ def run(minutes: float, seed: int, threads: int, kinds=("text", "gen"), part=(0,
             tmp = path.with_suffix(".tmp")
             save_file(shard, str(tmp))
             os.replace(tmp, path)
+            last_s[kind] = time.time() - t_job
             pos_new += shard["label_pos"].numel()
             el = time.time() - t_start
             sys.stderr.write(f"\rjob {job} ({kind}) +{pos_new} positions, {pos_new / el:.0f} pos/s, "
@@ -309,6 +330,8 @@ def main(argv=None) -> int:
     ap.add_argument("--part", default="0/1", help="I/N: this process does every N-th job, from the I-th")
     ap.add_argument("--export-gen", type=Path, help="write the generation shards' tokens to this directory")
     ap.add_argument("--import-gen", type=Path, help="label the tokens-only answers in this directory again")
+    ap.add_argument("--skip-exported", type=Path, default=GEN_ASSETS,
+                    help="generation jobs whose answers are exported here count as done (default assets/gen)")
     args = ap.parse_args(argv)
     i, n = (int(x) for x in args.part.split("/"))
     if not 0 <= i < n:
@@ -329,7 +352,7 @@ def main(argv=None) -> int:
     if args.import_gen:
         log.info("relabelled %d generated positions", import_gen(args.import_gen, args.threads, (i, n)))
         return 0
-    run(args.minutes, args.seed, args.threads, tuple(args.kinds.split(",")), (i, n))
+    run(args.minutes, args.seed, args.threads, tuple(args.kinds.split(",")), (i, n), args.skip_exported)
     return 0
 
 

@@ -149,3 +149,22 @@ def test_tokens_only_answers_relabel_to_the_same_shard(pair, tmp_path, monkeypat
     assert torch.equal(back["topk_ids"][:, :4], shard["topk_ids"][:, :4])  # the top labels; ties past them may swap
     torch.testing.assert_close(back["topk_p"].float(), shard["topk_p"].float(), atol=2e-3, rtol=0)
     assert z["prompt_lens"].tolist() == [len(p) for p in prompts]
+
+
+def test_draft_data_skips_jobs_already_done_or_exported(tmp_path):
+    """A fresh machine (no data directory) must not sample the committed answers again: a generation job
+    whose tokens are exported counts as done; a text job only by its own shard; neither otherwise."""
+    import draft_data
+
+    out, exported = tmp_path / "data", tmp_path / "gen"
+    out.mkdir()
+    exported.mkdir()
+    (exported / "gen_00005.npz").write_bytes(b"")
+    (out / "shard_00006_text.safetensors").write_bytes(b"")
+    assert draft_data.job_done(5, "gen", out, exported)
+    assert not draft_data.job_done(5, "gen", out, None)  # --skip-exported off
+    assert not draft_data.job_done(10, "gen", out, exported)
+    assert draft_data.job_done(6, "text", out, exported)
+    assert not draft_data.job_done(7, "text", out, exported)
+    (out / "shard_00010_gen.safetensors").write_bytes(b"")
+    assert draft_data.job_done(10, "gen", out, exported)

@@ -36,6 +36,11 @@ def register() -> None:
 
     from sglang_ssd.sglang import forward_timing
 
+    from sglang_ssd.sglang import cpu_linear
+
+    if cpu_linear.enabled():  # few-row fp32 matmuls (a chain verify's K+1 rows) as W @ x^T on CPU
+        HookRegistry.register(cpu_linear.LINEAR_APPLY, cpu_linear.linear_apply, HookType.AROUND)
+        HookRegistry.register(cpu_linear.LM_HEAD, cpu_linear.compute_lm_head, HookType.AROUND)
     if forward_timing.enabled():  # benchmarks only (scripts/bench_verify.py)
         HookRegistry.register(forward_timing.MODEL_RUNNER_FORWARD, forward_timing.timed_forward, HookType.AROUND)
     if torch.cuda.is_available():  # the CUDA-graph runner module is not importable on the CPU recipe

@@ -1,0 +1,64 @@
+"""Linear layers for a few rows on CPU: y = (W @ x^T)^T instead of x @ W^T when 2 <= M <= SMALL_M_MAX.
+
+A chain verify runs the target over M = K+1 = 4 rows per request; an AR decode step over M = 1.  On the
+CPU recipe (fp32, one thread, MKL) ``F.linear`` takes a GEMV for M = 1 (weights streamed once, memory
+bound) but an sgemm for M >= 2 whose small-M blocking is much slower: measured on an AMD EPYC (AVX2)
+core, SmolLM2-135M's 30 layers' projections cost 51 ms at M = 1 and 100 ms at M = 4, its tied 49k-token
+head 14 ms and 29 ms.  The same product written as ``torch.mm(W, x.t())`` (the weight as the left
+operand, the few rows as columns) costs 72 ms and 13 ms at M = 4, and is slower again from M = 6 on
+(results/small_m_linear.md, scripts/bench_small_m.py).  So a 4-token verify's matmuls cost ~1.3 decode
+steps instead of ~2.
+
+Only float32 weights and inputs on CPU are rerouted (what was measured); any other case, and M outside
+[2, SMALL_M_MAX], calls ``F.linear`` unchanged.  The result is the same product up to float rounding
+(another summation order, as F.linear's own GEMM-vs-GEMV choice already is).
+
+    SGLANG_SSD_SMALL_M_LINEAR   largest M to reroute (default 5; 0 or 1 = off)
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+ENV = "SGLANG_SSD_SMALL_M_LINEAR"
+DEFAULT_MAX_M = 5
+
+
+def max_rows(env=None) -> int:
+    raw = (os.environ if env is None else env).get(ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_M
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV} must be an integer >= 0, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"{ENV} must be an integer >= 0, got {raw!r}")
+    return value
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor, m_max: int) -> bool:
+    """True when (x, weight) take the W @ x^T route: CPU, float32, a plain 2-D weight, 2 <= rows <= m_max."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return False
+    if weight.dim() != 2 or weight.device.type != "cpu" or type(weight.data) is not torch.Tensor:
+        return False
+    if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
+        return False
+    m = x.numel() // max(x.shape[-1], 1)
+    return 2 <= m <= m_max
+
+
+def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   m_max: int = DEFAULT_MAX_M) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x [..., K], weight [N, K]; W @ x^T when ``applies``."""
+    if not applies(x, weight, m_max):
+        return F.linear(x, weight, bias)
+    flat = x.reshape(-1, x.shape[-1])
+    y = torch.mm(weight, flat.t()).t().contiguous()  # [M, N]
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], weight.shape[0])

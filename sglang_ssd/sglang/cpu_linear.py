@@ -1,0 +1,52 @@
+"""Hooks that route SGLang's few-row float32 linears on CPU through ``sglang_ssd.cpu.small_m_linear``.
+
+Registered by the plugin only on the CPU engine (``SGLANG_USE_CPU_ENGINE=1``) and so for every mode the
+CPU recipe serves, plain SGLang (AR) included: AR's own decode steps at batch 2-5 take the same route,
+so comparisons with it stay like for like.  Two places compute the target's matmuls:
+  - ``UnquantizedLinearMethod.apply`` (qkv / o / gate_up / down projections), whose CPU branch is
+    ``F.linear`` unless the layer uses the Intel AMX packed kernel;
+  - ``LogitsProcessor._compute_lm_head``'s plain branch (``hidden @ W^T``), taken for an unquantized,
+    non-LoRA head without AMX, fp32-head or RL on-policy options.
+Everything else calls the original.
+"""
+
+from __future__ import annotations
+
+from sglang_ssd.cpu.small_m_linear import applies, max_rows, small_m_linear
+
+LINEAR_APPLY = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply"
+LM_HEAD = "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head"
+
+_M_MAX = max_rows()
+
+
+def _amx(layer) -> bool:
+    from sglang.srt.utils import use_intel_amx_backend
+
+    return bool(use_intel_amx_backend(layer))
+
+
+def linear_apply(orig, self, layer, x, bias=None):
+    w = getattr(layer, "weight", None)
+    if w is None or not applies(x, w, _M_MAX) or _amx(layer):
+        return orig(self, layer, x, bias)
+    return small_m_linear(x, w, bias, _M_MAX)
+
+
+def compute_lm_head(orig, self, hidden_states, lm_head, embedding_bias=None, **kwargs):
+    from sglang.srt.layers.logits_processor import should_apply_lm_head_quant_method
+
+    w = getattr(lm_head, "weight", None)
+    plain = (w is not None and not (hasattr(lm_head, "set_lora") and hasattr(lm_head, "apply_lora"))
+             and not should_apply_lm_head_quant_method(lm_head, getattr(lm_head, "quant_method", None))
+             and not getattr(self, "use_fp32_lm_head", False)
+             and getattr(self, "rl_on_policy_target", None) is None)
+    if not plain or not applies(hidden_states, w, _M_MAX) or _amx(lm_head):
+        return orig(self, hidden_states, lm_head, embedding_bias, **kwargs)
+    return small_m_linear(hidden_states, w, None, _M_MAX)  # the plain branch adds no bias either
+
+
+def enabled() -> bool:
+    import os
+
+    return os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" and _M_MAX >= 2

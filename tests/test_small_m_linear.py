@@ -1,0 +1,91 @@
+"""The few-row CPU linear (sglang_ssd/cpu/small_m_linear.py) and the hooks that route SGLang's matmuls
+through it on the CPU engine (sglang_ssd/sglang/cpu_linear.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sglang_ssd.cpu.small_m_linear import applies, max_rows, small_m_linear
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (2, 64), (4, 64), (5, 64), (6, 64), (9, 64), (2, 2, 64), (1, 4, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_same_product_as_f_linear(shape, bias):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g)
+    w = torch.randn(96, 64, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    y = small_m_linear(x, w, b, m_max=5)
+    ref = F.linear(x, w, b)
+    assert y.shape == ref.shape and y.is_contiguous()
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+    m = x.numel() // 64
+    if 2 <= m <= 5:  # rerouted: exactly the W @ x^T product
+        assert torch.equal(y.reshape(m, 96), (torch.mm(w, x.reshape(m, 64).t()).t() + (b if bias else 0)))
+    else:  # F.linear itself, bit for bit
+        assert torch.equal(y, ref)
+
+
+def test_only_float32_cpu_few_rows_are_rerouted():
+    w = torch.randn(8, 4)
+    assert applies(torch.randn(4, 4), w, 5)
+    assert not applies(torch.randn(1, 4), w, 5) and not applies(torch.randn(6, 4), w, 5)
+    assert not applies(torch.randn(4, 4), w, 1)  # off
+    assert not applies(torch.randn(4, 4, dtype=torch.bfloat16), w.bfloat16(), 5)
+    assert not applies(torch.randn(4, 3), w, 5)  # shape mismatch: F.linear raises its own error
+    with pytest.raises(RuntimeError):
+        small_m_linear(torch.randn(4, 3), w)
+
+
+def test_env_knob():
+    assert max_rows({}) == 5 and max_rows({"SGLANG_SSD_SMALL_M_LINEAR": "0"}) == 0
+    with pytest.raises(ValueError, match="SGLANG_SSD_SMALL_M_LINEAR"):
+        max_rows({"SGLANG_SSD_SMALL_M_LINEAR": "x"})
+    with pytest.raises(ValueError, match=">= 0"):
+        max_rows({"SGLANG_SSD_SMALL_M_LINEAR": "-1"})
+
+
+HOOK_CHECK = textwrap.dedent("""
+    import types, torch, torch.nn.functional as F
+    from sglang_ssd.sglang import cpu_linear, plugin
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    calls, real = [], cpu_linear.small_m_linear
+    cpu_linear.small_m_linear = lambda x, *a, **k: (calls.append(x.shape[0]), real(x, *a, **k))[1]
+    plugin.register()
+    HookRegistry.apply_hooks()
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+    from sglang.srt.layers.logits_processor import LogitsProcessor
+    w = torch.randn(96, 64)
+    layer = types.SimpleNamespace(weight=w)
+    for m in (1, 4, 8):
+        x = torch.randn(m, 64)
+        y = UnquantizedLinearMethod().apply(layer, x)
+        assert torch.allclose(y, F.linear(x, w), atol=1e-4)
+        if m == 4 and calls:
+            assert torch.equal(y, torch.mm(w, x.t()).t())
+    head = types.SimpleNamespace(weight=w, quant_method=None)
+    lp = types.SimpleNamespace(use_fp32_lm_head=False, rl_on_policy_target=None)
+    x = torch.randn(4, 64)
+    assert torch.allclose(LogitsProcessor._compute_lm_head(lp, x, head), x @ w.t(), atol=1e-4)
+    print("ROUTED", calls)
+""")
+
+
+@pytest.mark.parametrize("cpu_engine", ["1", "0"])
+def test_hooks_route_sglang_matmuls_on_the_cpu_engine_only(cpu_engine):
+    """In a fresh process (hooks patch SGLang's classes for good): with SGLANG_USE_CPU_ENGINE=1 the plugin
+    routes a 4-row UnquantizedLinearMethod.apply and the plain lm-head product through small_m_linear
+    (a spy counts the calls), 1- and 8-row calls stay F.linear; without the CPU engine nothing is rerouted."""
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE=cpu_engine)
+    env.pop("SGLANG_SSD_SMALL_M_LINEAR", None)
+    out = subprocess.run([sys.executable, "-c", HOOK_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("ROUTED")][-1]
+    assert line == ("ROUTED [4, 4]" if cpu_engine == "1" else "ROUTED []"), line

@@ -3,11 +3,11 @@
 A chain verify runs the target over M = K+1 = 4 rows per request; an AR decode step over M = 1.  On the
 CPU recipe (fp32, one thread, MKL) ``F.linear`` takes a GEMV for M = 1 (weights streamed once, memory
 bound) but an sgemm for M >= 2 whose small-M blocking is much slower: measured on an AMD EPYC (AVX2)
-core, SmolLM2-135M's 30 layers' projections cost 51 ms at M = 1 and 100 ms at M = 4, its tied 49k-token
-head 14 ms and 29 ms.  The same product written as ``torch.mm(W, x.t())`` (the weight as the left
-operand, the few rows as columns) costs 72 ms and 13 ms at M = 4, and is slower again from M = 6 on
-(results/small_m_linear.md, scripts/bench_small_m.py).  So a 4-token verify's matmuls cost ~1.3 decode
-steps instead of ~2.
+core with SmolLM2-135M's shapes, all projections plus the 49k-token head cost 1.80-2.23x the one-row time
+for 2-5 rows; the same products written as ``torch.mm(W, x.t())`` (the weight as the left operand, the few
+rows as columns) cost 1.23-1.36x, and are no better or slower from M = 6 on (results/small_m_linear.md,
+scripts/bench_small_m.py).  Through the server this cut a b = 1 chain verify from ~240 to ~160 ms
+(results/variants_small_m_linear.md).
 
 Only float32 weights and inputs on CPU are rerouted (what was measured); any other case, and M outside
 [2, SMALL_M_MAX], calls ``F.linear`` unchanged.  The result is the same product up to float rounding

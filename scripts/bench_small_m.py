@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,9 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from sglang_ssd import paths  # noqa: E402
+
+sys.path.insert(0, str(HERE))
+from bench_verify import cpu_name  # noqa: E402
 
 log = logging.getLogger("bench_small_m")
 OUT = HERE.parent / "results" / "small_m_linear"
@@ -37,16 +39,6 @@ def median_ms(f, iters: int) -> float:
         f()
         ts.append(time.perf_counter() - t)
     return sorted(ts)[len(ts) // 2] * 1e3
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main() -> None:

@@ -257,6 +257,24 @@ def check_saguaro_c(v: Any) -> Optional[float]:
     return float(v)
 
 
+def env_number(name: str, default, env=None, cast=int):
+    """A non-negative number from environment variable ``name`` (``default`` when unset or blank).
+
+    ``cast`` is int or float; a value it cannot parse, or a negative one, raises a ValueError naming ``name``.
+    """
+    raw = (os.environ if env is None else env).get(name, "").strip()
+    if not raw:
+        return default
+    kind = "an integer" if cast is int else "a number"
+    try:
+        value = cast(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be {kind} >= 0, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"{name} must be {kind} >= 0, got {raw!r}")
+    return value
+
+
 def load_env_config(env) -> dict:
     raw = env.get(ENV_VAR, "").strip()
     if not raw:

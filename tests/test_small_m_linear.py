@@ -56,8 +56,8 @@ HOOK_CHECK = textwrap.dedent("""
     import types, torch, torch.nn.functional as F
     from sglang_ssd.sglang import cpu_linear, plugin
     from sglang.srt.plugins.hook_registry import HookRegistry
-    calls, real = [], cpu_linear.small_m_linear
-    cpu_linear.small_m_linear = lambda x, *a, **k: (calls.append(x.shape[0]), real(x, *a, **k))[1]
+    calls, real = [], cpu_linear.wxt
+    cpu_linear.wxt = lambda x, *a, **k: (calls.append(x.shape[0]), real(x, *a, **k))[1]
     plugin.register()
     HookRegistry.apply_hooks()
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
@@ -81,7 +81,7 @@ HOOK_CHECK = textwrap.dedent("""
 @pytest.mark.parametrize("cpu_engine", ["1", "0"])
 def test_hooks_route_sglang_matmuls_on_the_cpu_engine_only(cpu_engine):
     """In a fresh process (hooks patch SGLang's classes for good): with SGLANG_USE_CPU_ENGINE=1 the plugin
-    routes a 4-row UnquantizedLinearMethod.apply and the plain lm-head product through small_m_linear
+    routes a 4-row UnquantizedLinearMethod.apply and the plain lm-head product through the W @ x^T product
     (a spy counts the calls), 1- and 8-row calls stay F.linear; without the CPU engine nothing is rerouted."""
     env = dict(os.environ, SGLANG_USE_CPU_ENGINE=cpu_engine)
     env.pop("SGLANG_SSD_SMALL_M_LINEAR", None)

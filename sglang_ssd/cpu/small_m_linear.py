@@ -18,26 +18,17 @@ Only float32 weights and inputs on CPU are rerouted (what was measured); any oth
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+from sglang_ssd.config import env_number
 
 ENV = "SGLANG_SSD_SMALL_M_LINEAR"
 DEFAULT_MAX_M = 5
 
 
 def max_rows(env=None) -> int:
-    raw = (os.environ if env is None else env).get(ENV, "").strip()
-    if not raw:
-        return DEFAULT_MAX_M
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{ENV} must be an integer >= 0, got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"{ENV} must be an integer >= 0, got {raw!r}")
-    return value
+    return env_number(ENV, DEFAULT_MAX_M, env)
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, m_max: int) -> bool:
@@ -52,13 +43,18 @@ def applies(x: torch.Tensor, weight: torch.Tensor, m_max: int) -> bool:
     return 2 <= m <= m_max
 
 
-def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   m_max: int = DEFAULT_MAX_M) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for x [..., K], weight [N, K]; W @ x^T when ``applies``."""
-    if not applies(x, weight, m_max):
-        return F.linear(x, weight, bias)
+def wxt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The W @ x^T product for x [..., K], weight [N, K], for callers that checked ``applies``."""
     flat = x.reshape(-1, x.shape[-1])
     y = torch.mm(weight, flat.t()).t().contiguous()  # [M, N]
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   m_max: int = DEFAULT_MAX_M) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x [..., K], weight [N, K]; W @ x^T when ``applies``."""
+    if not applies(x, weight, m_max):
+        return F.linear(x, weight, bias)
+    return wxt(x, weight, bias)

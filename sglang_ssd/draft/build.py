@@ -21,12 +21,12 @@ Knobs (constructor arguments of DraftEngine, defaults from the environment of th
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
+from sglang_ssd.config import env_number
 from sglang_ssd.draft.runner import ForwardItem
 from sglang_ssd.draft.sampling import sample_rows
 from sglang_ssd.draft.tree import fork_indices, tree_kv_len, tree_mask, tree_positions, tree_slots
@@ -41,28 +41,15 @@ CHUNK_ENV, DEPTH_ENV = "SGLANG_SSD_BUILD_CHUNK_TOKENS", "SGLANG_SSD_MAX_BUILD_DE
 CPU_CHUNK_TOKENS = 64
 
 
-def _env_int(name: str) -> Optional[int]:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer >= 0, got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"{name} must be an integer >= 0, got {raw!r}")
-    return value
-
-
 def default_chunk_tokens(device: torch.device) -> int:
-    env = _env_int(CHUNK_ENV)
+    env = env_number(CHUNK_ENV, None)
     if env is not None:
         return env
     return 0 if device.type == "cuda" else CPU_CHUNK_TOKENS
 
 
 def default_max_depth() -> Optional[int]:
-    return _env_int(DEPTH_ENV)
+    return env_number(DEPTH_ENV, None)
 
 
 def _ms(t0: float) -> float:

@@ -34,12 +34,12 @@ mask even when every request is a causal extend (plan_batch(need_mask=True)).
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
+from sglang_ssd.config import env_number
 from sglang_ssd.draft.flashinfer_attention import WORKSPACE_BYTES, plan_batch, plan_wrapper
 
 logger = logging.getLogger(__name__)
@@ -127,13 +127,7 @@ def startup_buckets(req_buckets: Sequence[int], tok_buckets: Sequence[int], budg
 
 def graph_budget_bytes(env: Optional[dict] = None) -> int:
     """The start-up capture budget: SGLANG_SSD_DRAFT_GRAPH_MB (MiB, 0 = capture nothing)."""
-    raw = (os.environ if env is None else env).get(GRAPH_MB_ENV, str(DEFAULT_GRAPH_MB))
-    try:
-        mb = float(raw)
-    except ValueError:
-        raise ValueError(f"{GRAPH_MB_ENV} must be a number of MiB, got {raw!r}") from None
-    if mb < 0:
-        raise ValueError(f"{GRAPH_MB_ENV} must be >= 0, got {raw!r}")
+    mb = env_number(GRAPH_MB_ENV, DEFAULT_GRAPH_MB, env, cast=float)
     return int(mb * 2**20)
 
 

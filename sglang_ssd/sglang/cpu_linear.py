@@ -12,41 +12,45 @@ Everything else calls the original.
 
 from __future__ import annotations
 
-from sglang_ssd.cpu.small_m_linear import applies, max_rows, small_m_linear
+import os
+
+from sglang_ssd.cpu.small_m_linear import applies, max_rows, wxt
 
 LINEAR_APPLY = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply"
 LM_HEAD = "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head"
 
 _M_MAX = max_rows()
+_SGL = None  # (use_intel_amx_backend, should_apply_lm_head_quant_method), resolved at the first call
 
 
-def _amx(layer) -> bool:
-    from sglang.srt.utils import use_intel_amx_backend
+def _sglang_helpers():
+    global _SGL
+    if _SGL is None:  # lazily: the plugin imports this module in register(), before SGLang loads its layers
+        from sglang.srt.layers.logits_processor import should_apply_lm_head_quant_method
+        from sglang.srt.utils import use_intel_amx_backend
 
-    return bool(use_intel_amx_backend(layer))
+        _SGL = (use_intel_amx_backend, should_apply_lm_head_quant_method)
+    return _SGL
 
 
 def linear_apply(orig, self, layer, x, bias=None):
     w = getattr(layer, "weight", None)
-    if w is None or not applies(x, w, _M_MAX) or _amx(layer):
+    if w is None or not applies(x, w, _M_MAX) or _sglang_helpers()[0](layer):
         return orig(self, layer, x, bias)
-    return small_m_linear(x, w, bias, _M_MAX)
+    return wxt(x, w, bias)
 
 
 def compute_lm_head(orig, self, hidden_states, lm_head, embedding_bias=None, **kwargs):
-    from sglang.srt.layers.logits_processor import should_apply_lm_head_quant_method
-
+    amx, head_quant = _sglang_helpers()
     w = getattr(lm_head, "weight", None)
     plain = (w is not None and not (hasattr(lm_head, "set_lora") and hasattr(lm_head, "apply_lora"))
-             and not should_apply_lm_head_quant_method(lm_head, getattr(lm_head, "quant_method", None))
+             and not head_quant(lm_head, getattr(lm_head, "quant_method", None))
              and not getattr(self, "use_fp32_lm_head", False)
              and getattr(self, "rl_on_policy_target", None) is None)
-    if not plain or not applies(hidden_states, w, _M_MAX) or _amx(lm_head):
+    if not plain or not applies(hidden_states, w, _M_MAX) or amx(lm_head):
         return orig(self, hidden_states, lm_head, embedding_bias, **kwargs)
-    return small_m_linear(hidden_states, w, None, _M_MAX)  # the plain branch adds no bias either
+    return wxt(hidden_states, w)  # the plain branch adds no bias either
 
 
 def enabled() -> bool:
-    import os
-
     return os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" and _M_MAX >= 2

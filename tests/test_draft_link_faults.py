@@ -181,3 +181,30 @@ def test_short_speculations_cap_max_accept_and_the_outcome_check():
         link.cfg.spawn_draft = False
         link.client.close()
         fake.close()
+
+
+def test_send_with_no_connected_draft_is_bounded():
+    """A DEALER with no connected peer blocks a send (a draft gone, not up, or one that refused the
+    CurveZMQ handshake): the client waits at most the call's timeout, then DraftUnsent, a DraftError, which
+    the link treats as broken (reconnect), never a wait for a reply that cannot come."""
+    from sglang_ssd.draft.client import DraftClient, DraftError, DraftUnsent
+
+    endpoint = f"ipc:///tmp/sglang-ssd-test-{uuid.uuid4().hex}.sock"  # nothing binds it
+    client = DraftClient(endpoint, timeout_s=0.3)
+    client.sock.close(0)  # a socket that queues nothing until a peer has connected: sends would block
+    client.sock = client.ctx.socket(zmq.DEALER)
+    client.sock.setsockopt(zmq.IMMEDIATE, 1)
+    client.sock.setsockopt(zmq.LINGER, 0)
+    client.sock.connect(endpoint)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(DraftUnsent, match="no connected draft"):
+            client.health()
+        assert time.monotonic() - t0 < 2.0
+        assert issubclass(DraftUnsent, DraftError) and not issubclass(DraftUnsent, TimeoutError)
+        client.alive = lambda: False  # a watched draft process that is gone fails the send at once
+        with pytest.raises(DraftError, match="is gone"):
+            client.health(timeout_s=30)
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        client.close()

@@ -43,6 +43,10 @@ class DraftError(RuntimeError):
         self.message, self.rids = message, list(rids)
 
 
+class DraftUnsent(DraftError):
+    """A request could not be handed to the socket in time (no connected draft): nothing was sent."""
+
+
 class DraftClient:
     def __init__(self, endpoint: str, timeout_s: float = 60.0, context: Optional[zmq.Context] = None,
                  alive: Optional[Callable[[], bool]] = None, curve_keys: Optional[str] = None):
@@ -50,7 +54,7 @@ class DraftClient:
         awaited it is checked every ``ALIVE_POLL_MS`` so a dead draft fails the call at once instead
         of at the timeout.  ``curve_keys``: a CurveZMQ key directory (sglang_ssd/draft/curve.py),
         required for a non-loopback tcp endpoint (InsecureEndpointError otherwise).  A draft that
-        rejects the keys never answers: calls time out (DraftTimeout)."""
+        rejects the keys never answers: calls time out (DraftTimeout) or cannot be sent (DraftUnsent)."""
         check_endpoint(endpoint, curve=curve_keys is not None, action="connect")
         self.endpoint, self.timeout_s, self.alive = endpoint, timeout_s, alive
         self.ctx = context or zmq.Context.instance()
@@ -70,10 +74,27 @@ class DraftClient:
         self.discarded = 0
 
     # ---------------------------------------------------------------------------- low level
-    def send(self, msg: Message) -> int:
+    def send(self, msg: Message, timeout_s: Optional[float] = None) -> int:
+        """Queue ``msg`` with a fresh id.  A DEALER blocks a send while it has no connected peer (a draft
+        not up yet, gone, or one that refused the CurveZMQ handshake): wait at most ``timeout_s`` for the
+        socket to take it, then raise DraftUnsent (no reply will come)."""
         msg.req_id = next(self._ids)
-        self.sock.send_multipart(msg.encode(), copy=False)
-        return msg.req_id
+        frames = msg.encode()
+        t = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + t
+        while True:
+            try:
+                self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return msg.req_id
+            except zmq.Again:  # nothing of the message was queued
+                pass
+            if self.alive is not None and not self.alive():
+                raise DraftError(f"the draft process behind {self.endpoint} is gone")
+            left_ms = int((deadline - time.monotonic()) * 1e3)
+            if left_ms <= 0:
+                raise DraftUnsent(f"could not send request {msg.req_id} to {self.endpoint} within {t} s "
+                                  "(no connected draft)")
+            self.sock.poll(min(left_ms, ALIVE_POLL_MS), zmq.POLLOUT)
 
     def recv(self, req_id: int, timeout_s: Optional[float] = None) -> Message:
         """Wait for the reply to `req_id`; replies to other (timed-out) ids are discarded.
@@ -103,7 +124,10 @@ class DraftClient:
             logger.debug("discarded late %s for request %d (waiting for %d)", msg.TYPE, msg.req_id, req_id)
 
     def request(self, msg: Message, expect: type[Message], timeout_s: Optional[float] = None) -> Message:
-        reply = self.recv(self.send(msg), timeout_s)
+        t = self.timeout_s if timeout_s is None else timeout_s
+        t0 = time.monotonic()
+        req_id = self.send(msg, t)  # send and reply share the call's timeout
+        reply = self.recv(req_id, max(0.0, t - (time.monotonic() - t0)))
         if isinstance(reply, ErrorReply):
             raise DraftError(reply.message, reply.rids)
         if not isinstance(reply, expect):

@@ -326,6 +326,10 @@ def validate_draft_path(path: str) -> None:
     if not any(f.endswith(".safetensors") for f in os.listdir(path)):
         raise SaguaroConfigError(f"{DRAFT_FLAG}: {path!r} holds no *.safetensors weights")
     archs = hf.get("architectures") or []
+    if any("eagle3" in str(a).lower() for a in archs):
+        raise SaguaroConfigError(f"{DRAFT_FLAG}: {path!r} is an EAGLE-3 draft head ({archs}); saguaro does not "
+                                 "serve EAGLE-3 heads yet (they need the target's hidden states each round); "
+                                 "use a standalone draft LM with the target's tokenizer")
     if not any(a in ("LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM") for a in archs):
         raise SaguaroConfigError(f"{DRAFT_FLAG}: unsupported draft architecture {archs}; "
                                  "supported: LlamaForCausalLM, Qwen3ForCausalLM, MistralForCausalLM")

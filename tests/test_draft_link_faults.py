@@ -184,9 +184,10 @@ def test_short_speculations_cap_max_accept_and_the_outcome_check():
 
 
 def test_send_with_no_connected_draft_is_bounded():
-    """A DEALER with no connected peer blocks a send (a draft gone, not up, or one that refused the
-    CurveZMQ handshake): the client waits at most the call's timeout, then DraftUnsent, a DraftError, which
-    the link treats as broken (reconnect), never a wait for a reply that cannot come."""
+    """A DEALER with no pipe to queue on blocks a send (libzmq ended the session after a refused CurveZMQ
+    handshake, or the high-water mark is full; here: IMMEDIATE with no peer): the client waits at most the
+    call's timeout, then DraftUnsent, a DraftError, which the link treats as broken (reconnect), never a
+    wait for a reply that cannot come."""
     from sglang_ssd.draft.client import DraftClient, DraftError, DraftUnsent
 
     endpoint = f"ipc:///tmp/sglang-ssd-test-{uuid.uuid4().hex}.sock"  # nothing binds it

@@ -4,6 +4,7 @@ draft vocabulary through d2t, and computes what SpecForge's single-layer draft c
 clear errors; saguaro's launch check refuses EAGLE-3 heads by name (not served yet)."""
 
 import json
+import logging
 import math
 
 import pytest
@@ -132,7 +133,13 @@ def test_config_fields():
                                           use_aux_norm=True, norm_output=True))
     assert c.aux_layer_ids == [3, 9, 12, 20] and c.num_aux == 4 and c.fc_norm and c.norm_output
     c = Eagle3Config.from_hf_dict(_config(target_hidden_size=None, draft_vocab_size=None))
-    assert c.target_hidden_size == D and c.draft_vocab_size == V and c.aux_layer_ids == [-1, -1, -1]
+    assert c.target_hidden_size == D and c.draft_vocab_size == V and c.aux_layer_ids is None  # until the target
+    assert c.resolve_aux(24) == [1, 11, 20] and c.aux_layer_ids == [1, 11, 20]
+    # a head whose config names its target's family (qwen3, qwen2) is still SGLang's bias-free Llama stack
+    c = Eagle3Config.from_hf_dict(_config(model_type="qwen3", attention_bias=True))
+    assert c.base.model_type == "llama" and not c.base.qk_norm and not c.base.attention_bias
+    with pytest.raises(ValueError, match="needs eagle_aux_hidden_state_layer_ids"):
+        Eagle3Config.from_hf_dict(_config(num_aux_hidden_states=2), target_layers=30)
     with pytest.raises(ValueError, match="not an EAGLE-3 config"):
         Eagle3Config.from_hf_dict(_config(architectures=["LlamaForCausalLM"]))
     with pytest.raises(ValueError, match="draft_vocab_size"):
@@ -150,13 +157,14 @@ def test_aux_norm_and_legacy_names(tmp_path):
     assert torch.allclose(model.project(aux), want, atol=1e-5)
 
 
-def test_bad_checkpoints_get_clear_errors(tmp_path):
+def test_bad_checkpoints_get_clear_errors(tmp_path, caplog):
     w, _ = _weights()
     with pytest.raises(ValueError, match="no embed_tokens"):
         load_eagle3(_write(tmp_path, w, name="a"))
-    bad = dict(w, t2d=torch.zeros(V, dtype=torch.bool))
-    with pytest.raises(ValueError, match="t2d disagrees"):
-        load_eagle3(_write(tmp_path, bad, name="b"), target_embed=torch.randn(V, D))
+    bad = dict(w, t2d=torch.zeros(V, dtype=torch.bool))  # SGLang ignores t2d: a warning, d2t rules
+    with caplog.at_level(logging.WARNING, logger="sglang_ssd.draft.eagle3"):
+        m = load_eagle3(_write(tmp_path, bad, name="b"), target_embed=torch.randn(V, D))
+    assert "t2d disagrees" in caplog.text and torch.equal(m.head_ids, w["d2t"] + torch.arange(DV))
     dup = dict(w, d2t=torch.zeros(DV, dtype=torch.long) - torch.arange(DV))  # every row -> token 0
     with pytest.raises(ValueError, match="two rows to one token"):
         load_eagle3(_write(tmp_path, dup, name="c"), target_embed=torch.randn(V, D))
@@ -165,9 +173,63 @@ def test_bad_checkpoints_get_clear_errors(tmp_path):
         load_eagle3(_write(tmp_path, short, name="d"), target_embed=torch.randn(V, D))
     with pytest.raises(ValueError, match=r"embedding \(96, 16\)"):
         load_eagle3(_write(tmp_path, w, name="e"), target_embed=torch.randn(V, 16))
+    headless = {k: v for k, v in w.items() if k != "lm_head.weight"}  # draft vocabulary 40 < 96: no stand-in
+    with pytest.raises(ValueError, match="no lm_head"):
+        load_eagle3(_write(tmp_path, headless, name="f"), target_embed=torch.randn(V, D), target_head=torch.randn(V, D))
 
 
 def test_launch_check_names_eagle3_heads(tmp_path):
     w, _ = _weights()
     with pytest.raises(SaguaroConfigError, match="EAGLE-3 draft head"):
         validate_draft_path(_write(tmp_path, w))
+
+
+def test_two_layers_and_tied_head(tmp_path):
+    """A two-layer head (SGLang's later-layer keys, an unused input_layernorm among them) and a tied head
+    (no lm_head, draft vocabulary = vocabulary): the second layer continues the residual stream; the
+    head's rows are the embedding's."""
+    w, _ = _weights(with_embed=True)
+    g = torch.Generator().manual_seed(3)
+    for k in [k for k in w if k.startswith("midlayer.")]:
+        rest = k[len("midlayer."):]
+        shape = list(w[k].shape)
+        if rest.startswith("self_attn.") and rest[10] in "qkv":
+            shape[1] = D  # later layers read D columns
+        w["layers.1." + rest] = torch.randn(*shape, generator=g) * 0.2
+    for k in ("lm_head.weight", "d2t", "t2d"):
+        w.pop(k)
+    cfg = _config(num_hidden_layers=2, tie_word_embeddings=True, draft_vocab_size=None)
+    model = load_eagle3(_write(tmp_path, w, cfg), target_layers=30)
+    assert torch.equal(model.lm_head.weight, w["embed_tokens.weight"]) and torch.equal(model.head_ids, torch.arange(V))
+    ids, aux = torch.randint(0, V, (6,)), torch.randn(6, 3 * DT)
+    with torch.no_grad():
+        hidden, out = model(ids, torch.arange(6), model.project(aux), _causal)
+        one_layer = model.layers[:1]
+        model.layers = one_layer
+        _, out1 = model(ids, torch.arange(6), model.project(aux), _causal)
+    # layer 1 by hand: hidden_norm over the carried residual (out1 = mlp0 + residual0), D-wide q/k/v
+    w1 = {k.replace("layers.1.", "midlayer."): v for k, v in w.items() if k.startswith("layers.1.")}
+    x = _rms(out1, w1["midlayer.hidden_norm.weight"])
+    t = 6
+    q = (x @ w1["midlayer.self_attn.q_proj.weight"].t()).view(t, H, HD)
+    k = (x @ w1["midlayer.self_attn.k_proj.weight"].t()).view(t, HKV, HD)
+    v = (x @ w1["midlayer.self_attn.v_proj.weight"].t()).view(t, HKV, HD)
+    cos, sin = _rope_tables(t)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    r = out1 + _causal(1, q, k, v).reshape(t, H * HD) @ w1["midlayer.self_attn.o_proj.weight"].t()
+    m = _rms(r, w1["midlayer.post_attention_layernorm.weight"])
+    want = r + (F.silu(m @ w1["midlayer.mlp.gate_proj.weight"].t()) * (m @ w1["midlayer.mlp.up_proj.weight"].t())) \
+        @ w1["midlayer.mlp.down_proj.weight"].t()
+    assert torch.allclose(out, want, atol=1e-5)
+    assert torch.allclose(hidden, _rms(want, w["norm.weight"]), atol=1e-5)
+
+
+def _rope_tables(t):
+    inv = 1.0 / (10000.0 ** (torch.arange(0, HD, 2).float() / HD))
+    fr = torch.arange(t).float()[:, None] * inv[None]
+    return torch.cat([fr, fr], -1).cos(), torch.cat([fr, fr], -1).sin()
+
+
+def _rope(y, cos, sin):  # y [T, H, d]
+    y1, y2 = y[..., : HD // 2], y[..., HD // 2:]
+    return y * cos[:, None] + torch.cat([-y2, y1], -1) * sin[:, None]

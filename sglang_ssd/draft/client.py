@@ -75,9 +75,10 @@ class DraftClient:
 
     # ---------------------------------------------------------------------------- low level
     def send(self, msg: Message, timeout_s: Optional[float] = None) -> int:
-        """Queue ``msg`` with a fresh id.  A DEALER blocks a send while it has no connected peer (a draft
-        not up yet, gone, or one that refused the CurveZMQ handshake): wait at most ``timeout_s`` for the
-        socket to take it, then raise DraftUnsent (no reply will come)."""
+        """Queue ``msg`` with a fresh id.  A DEALER blocks a send when it has no pipe to queue on: after
+        libzmq ended the session (a refused CurveZMQ handshake: it does not reconnect) or with the send
+        high-water mark full.  Wait at most ``timeout_s`` for the socket to take it, then raise
+        DraftUnsent (nothing was sent, no reply will come)."""
         msg.req_id = next(self._ids)
         frames = msg.encode()
         t = self.timeout_s if timeout_s is None else timeout_s

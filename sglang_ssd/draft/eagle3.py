@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -48,6 +49,7 @@ from sglang_ssd.draft.config import ModelConfig
 from sglang_ssd.draft.model import MLP, AttnFn, Attention, RMSNorm
 
 ARCH = "LlamaForCausalLMEagle3"
+logger = logging.getLogger(__name__)
 LEGACY_NAMES = {"midlayer.": "layers.0.", "aux_norm_low": "fc_norm.0", "aux_norm_mid": "fc_norm.1",
                 "aux_norm_high": "fc_norm.2"}
 
@@ -61,41 +63,45 @@ class Eagle3Config:
     base: ModelConfig            # the decoder's own shape (hidden_size D, heads, rope, eps, layers)
     draft_vocab_size: int
     target_hidden_size: int      # D_t, width of each target feature
-    aux_layer_ids: list[int]     # target layers whose outputs are the features (HF hidden_states[id + 1])
+    num_aux: int                 # target features concatenated per position
+    aux_layer_ids: Optional[list[int]]  # target layers whose outputs they are (HF hidden_states[id + 1]);
+    #                                     None: the default for the target, known once it is (resolve_aux)
     norm_before_fc: bool = False
     fc_norm: bool = False
     norm_output: bool = False
+    fc_bias: bool = False
 
-    @property
-    def num_aux(self) -> int:
-        return len(self.aux_layer_ids)
+    def resolve_aux(self, target_layers: int) -> list[int]:
+        if self.aux_layer_ids is None:
+            if self.num_aux != 3:
+                raise ValueError(f"num_aux_hidden_states {self.num_aux} needs eagle_aux_hidden_state_layer_ids")
+            self.aux_layer_ids = default_aux_layers(target_layers)
+        return self.aux_layer_ids
 
     @classmethod
     def from_hf_dict(cls, hf: dict, target_layers: Optional[int] = None) -> "Eagle3Config":
         if not is_eagle3_config(hf):
             raise ValueError(f"not an EAGLE-3 config: architectures {hf.get('architectures')!r} (want {ARCH})")
-        base = ModelConfig.from_hf_dict({**hf, "model_type": hf.get("model_type", "llama")})
+        # SGLang builds every EAGLE-3 head as a Llama layer stack without q/k/v bias or q/k norm, whatever
+        # model_type the checkpoint names (its target's, often)
+        base = ModelConfig.from_hf_dict({**hf, "model_type": "llama", "attention_bias": False})
         eagle = hf.get("eagle_config") or {}
         ids = eagle.get("eagle_aux_hidden_state_layer_ids")
-        n_aux = hf.get("num_aux_hidden_states") or (len(ids) if ids else 3)
-        if not ids:
-            if target_layers is None:
-                ids = [-1] * n_aux  # known once the target is: default_aux_layers(target_layers)
-            elif n_aux != 3:
-                raise ValueError(f"num_aux_hidden_states {n_aux} needs eagle_aux_hidden_state_layer_ids")
-            else:
-                ids = default_aux_layers(target_layers)
-        if len(ids) != n_aux:
+        n_aux = int(hf.get("num_aux_hidden_states") or (len(ids) if ids else 3))
+        if ids and len(ids) != n_aux:
             raise ValueError(f"num_aux_hidden_states {n_aux} != {len(ids)} eagle_aux_hidden_state_layer_ids")
         dv = hf.get("draft_vocab_size") or base.vocab_size
         if not 0 < dv <= base.vocab_size:
             raise ValueError(f"draft_vocab_size {dv} must be in [1, vocab_size {base.vocab_size}]")
-        return cls(base=base, draft_vocab_size=int(dv),
-                   target_hidden_size=int(hf.get("target_hidden_size") or base.hidden_size),
-                   aux_layer_ids=[int(i) for i in ids],
-                   norm_before_fc=bool(eagle.get("norm_before_fc", hf.get("norm_before_fc", False))),
-                   fc_norm=bool(hf.get("fc_norm") or hf.get("use_aux_norm", False)),
-                   norm_output=bool(hf.get("norm_output", False)))
+        cfg = cls(base=base, draft_vocab_size=int(dv),
+                  target_hidden_size=int(hf.get("target_hidden_size") or base.hidden_size), num_aux=n_aux,
+                  aux_layer_ids=[int(i) for i in ids] if ids else None,
+                  norm_before_fc=bool(eagle.get("norm_before_fc", hf.get("norm_before_fc", False))),
+                  fc_norm=bool(hf.get("fc_norm") or hf.get("use_aux_norm", False)),
+                  norm_output=bool(hf.get("norm_output", False)), fc_bias=bool(hf.get("bias", False)))
+        if target_layers is not None:
+            cfg.resolve_aux(target_layers)
+        return cfg
 
 
 def default_aux_layers(target_layers: int) -> list[int]:
@@ -115,7 +121,8 @@ class Eagle3Layer(nn.Module):
             a.v_proj = nn.Linear(d_in, a.hkv * a.d, bias=False)
         self.mlp = MLP(cfg)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.first:  # (SGLang gives later layers one too, unused: their checkpoint keys are dropped)
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, emb, h, residual, cos, sin, attn: AttnFn):
@@ -136,13 +143,13 @@ class Eagle3Draft(nn.Module):
         b = c.base
         self.embed_tokens = nn.Embedding(b.vocab_size, b.hidden_size)
         feat = c.target_hidden_size * c.num_aux
-        self.fc = nn.Linear(feat, b.hidden_size, bias=False)
+        self.fc = nn.Linear(feat, b.hidden_size, bias=c.fc_bias)
         self.input_norm = RMSNorm(feat, b.rms_norm_eps) if c.norm_before_fc else None
         self.fc_norm = (nn.ModuleList(RMSNorm(c.target_hidden_size, b.rms_norm_eps) for _ in range(c.num_aux))
                         if c.fc_norm else None)
         self.layers = nn.ModuleList(Eagle3Layer(b, i) for i in range(b.num_layers))
         self.norm = RMSNorm(b.hidden_size, b.rms_norm_eps)
-        self.lm_head = nn.Linear(b.hidden_size, c.draft_vocab_size, bias=False)
+        self.lm_head = nn.Linear(b.hidden_size, c.draft_vocab_size, bias=False)  # tied: the embedding's rows
         self.register_buffer("head_ids", torch.arange(c.draft_vocab_size))  # target id of each draft row
         self.register_buffer("inv_freq", b.inv_freq(), persistent=False)
 
@@ -199,13 +206,17 @@ def _rename(name: str) -> str:
 
 
 def load_eagle3(model_dir: str, target_embed: Optional[torch.Tensor] = None, target_layers: Optional[int] = None,
-                device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Eagle3Draft:
+                target_head: Optional[torch.Tensor] = None, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32) -> Eagle3Draft:
     """Load an EAGLE-3 checkpoint directory.  ``target_embed`` [V, D]: the target's input embedding, used
-    when the checkpoint has none (SpecForge's usual case); ``target_layers``: the target's layer count,
-    for the default feature layers."""
+    when the checkpoint has none (SpecForge's usual case); ``target_head`` [V, D]: the target's output
+    head, for a checkpoint with no lm_head and no draft vocabulary (SGLang's load_lm_head_from_target);
+    ``target_layers``: the target's layer count, for the default feature layers."""
     with open(os.path.join(model_dir, "config.json")) as fh:
         cfg = Eagle3Config.from_hf_dict(json.load(fh), target_layers)
     state = {_rename(k): v for k, v in _read_state(model_dir).items() if "rotary_emb" not in k}
+    for i in range(1, cfg.base.num_layers):  # present in SGLang's later layers, never used
+        state.pop(f"layers.{i}.input_layernorm.weight", None)
     d2t, t2d = state.pop("d2t", None), state.pop("t2d", None)
     if "embed_tokens.weight" not in state:
         if target_embed is None:
@@ -215,6 +226,15 @@ def load_eagle3(model_dir: str, target_embed: Optional[torch.Tensor] = None, tar
     if want != (cfg.base.vocab_size, cfg.base.hidden_size):
         raise ValueError(f"embedding {want} != (vocab_size, hidden_size) "
                          f"({cfg.base.vocab_size}, {cfg.base.hidden_size})")
+    if "lm_head.weight" not in state:
+        full = cfg.draft_vocab_size == cfg.base.vocab_size
+        if cfg.base.tie_word_embeddings and full:
+            state["lm_head.weight"] = state["embed_tokens.weight"]
+        elif target_head is not None and full:
+            state["lm_head.weight"] = target_head
+        else:
+            raise ValueError(f"{model_dir} has no lm_head.weight: a tied or the target's head needs "
+                             f"draft_vocab_size = vocab_size (pass target_head)")
     # draft row i predicts target token i + d2t[i] (SGLang's hot_token_id); no d2t = the identity map
     ids = torch.arange(cfg.draft_vocab_size)
     if d2t is not None:
@@ -227,7 +247,9 @@ def load_eagle3(model_dir: str, target_embed: Optional[torch.Tensor] = None, tar
         raise ValueError("d2t maps draft rows outside the vocabulary or two rows to one token")
     if t2d is not None and (t2d.numel() != cfg.base.vocab_size or not bool(t2d.bool()[ids].all())
                             or int(t2d.bool().sum()) != cfg.draft_vocab_size):
-        raise ValueError("t2d disagrees with d2t (each draft row's token must be marked, and only those)")
+        # SGLang reads only d2t, and q is built from it alone, so this cannot break exactness: say so
+        logger.warning("%s: t2d disagrees with d2t (each draft row's token marked, and only those); "
+                       "using d2t, as SGLang does", model_dir)
     state["head_ids"] = ids
     with torch.device("meta"):
         model = Eagle3Draft(cfg)

@@ -218,8 +218,8 @@ class DraftLink:
 
     def close(self) -> None:
         try:
-            if self.client is not None and self.spawn:
-                self.client.shutdown()
+            if self.client is not None and self.spawn:  # the process is terminated below if this fails
+                self.client.shutdown(timeout_s=2.0)
         except Exception:
             pass
         if self.client is not None:

@@ -56,9 +56,13 @@ def start(link, reqs, temperatures, s_per_token: float) -> int:
     prompts = [list(r.origin_input_ids) + list(r.output_ids) for r, _, _ in rows]
     msg = Prefill(rids, prompts, [t for _, t, _ in rows], [link._saguaro_c(r) for r, _, _ in rows], round0=True)
     try:
-        req_id = link.client.send(msg)
+        req_id = link.client.send(msg, timeout_s=0)  # one try: a healthy socket always takes it
     except Exception as exc:  # nothing was sent: the rows are prefilled lazily at their first round
         logger.warning("saguaro: could not send the round-0 prefill (%s); it will be sent with round 1", exc)
+        from sglang_ssd.draft.client import DraftUnsent  # (lazily, as draft_link imports the client)
+
+        if isinstance(exc, DraftUnsent):  # no connected draft: the link is broken, reconnect later
+            link._fail(exc)
         return 0
     for rid in rids:
         link.states[rid] = _ReqState(None, UNKNOWN)  # until the Ack is in

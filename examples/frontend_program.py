@@ -1,7 +1,7 @@
 """SGLang frontend programs (``sgl.function`` + ``gen``, and a multi-turn chat) against a running server.
 
 The programs know nothing about speculation: point them at a saguaro server and they run unchanged (and,
-at temperature 0, produce exactly what a plain server produces; tests/test_frontend.py checks that).
+at temperature 0, produce exactly what a plain server produces; tests/test_serving_api.py checks that).
 
     python -m sglang_ssd.launch_cpu --model-path TARGET --speculative-algorithm saguaro \
         --speculative-draft-model-path DRAFT --port 30000 ...      # or sglang.launch_server on GPU

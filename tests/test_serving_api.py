@@ -1,20 +1,27 @@
 """What an SGLang user keeps when turning saguaro on (issue 17), against a plain server on the same CPU:
 grammar-constrained output (json_schema, regex, ebnf, structural tags; mixed with unconstrained
 requests), SGLang's own error for an invalid grammar, the OpenAI-compatible API (streaming and not,
-chat and completions, n > 1, logprobs, stop sequences, max_tokens edge cases, usage counts), and
-saguaro's Prometheus series on /metrics next to SGLang's.  Greedy, so every text must be identical."""
+chat and completions, n > 1, logprobs, stop sequences, max_tokens edge cases, usage counts), SGLang
+frontend programs (examples/frontend_program.py: sgl.function with gen, a multi-turn chat through the chat
+template) run unchanged, and saguaro's Prometheus series on /metrics next to SGLang's.  Greedy, so every
+text must be identical.  (One plain and one saguaro server for all of it: a CPU server start costs ~80 s.)"""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import json
 import re
+import sys
 import uuid
+from pathlib import Path
 
 import pytest
 import requests
 
 from sglang_ssd.serving import SGLangServer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from frontend_program import run_programs  # noqa: E402
 
 pytestmark = pytest.mark.server
 COMMON = ["--dtype", "float32", "--max-running-requests", "8", "--random-seed", "1", "--context-length", "1024",
@@ -104,7 +111,7 @@ def _openai(url):
 
 
 def _run_all(srv):
-    return {"constrained": _constrained(srv.url), "openai": _openai(srv.url),
+    return {"constrained": _constrained(srv.url), "openai": _openai(srv.url), "frontend": run_programs(srv.url),
             "metrics": requests.get(srv.url + "/metrics", timeout=60).text}
 
 
@@ -122,6 +129,15 @@ def results(target_path, draft_path, tmp_path_factory):
         spec = _run_all(srv)
         spec["metrics_after"] = requests.get(srv.url + "/metrics", timeout=60).text
     return plain, spec
+
+
+def test_frontend_program_same_as_plain(results):
+    """The frontend programs know nothing of speculation: same variables, same chat text."""
+    plain, spec = results
+    f = plain["frontend"]
+    assert all(f[k].strip() for k in ("tip1", "tip2", "answer1", "answer2")), f  # every slot generated
+    assert f["chat_text"].count("<|im_start|>assistant") == 2  # the chat went through the chat template
+    assert spec["frontend"] == f
 
 
 def _close_logprobs(a, b, tol=2e-3):

@@ -310,6 +310,11 @@ def _fan_out_list(fan_out: Any, k: int) -> list[int]:
     return list(fan_out)
 
 
+def is_eagle3_config(hf: dict) -> bool:
+    """A Hugging Face config dict naming an EAGLE-3 draft head (e.g. LlamaForCausalLMEagle3)."""
+    return any("eagle3" in str(a).lower() for a in hf.get("architectures") or [])
+
+
 def validate_draft_path(path: str) -> None:
     """Fail early, naming the flag, when the draft checkpoint is missing or unusable."""
     if not os.path.isdir(path):
@@ -326,7 +331,7 @@ def validate_draft_path(path: str) -> None:
     if not any(f.endswith(".safetensors") for f in os.listdir(path)):
         raise SaguaroConfigError(f"{DRAFT_FLAG}: {path!r} holds no *.safetensors weights")
     archs = hf.get("architectures") or []
-    if any("eagle3" in str(a).lower() for a in archs):
+    if is_eagle3_config(hf):
         raise SaguaroConfigError(f"{DRAFT_FLAG}: {path!r} is an EAGLE-3 draft head ({archs}); saguaro does not "
                                  "serve EAGLE-3 heads yet (they need the target's hidden states each round); "
                                  "use a standalone draft LM with the target's tokenizer")

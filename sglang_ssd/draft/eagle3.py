@@ -33,7 +33,6 @@ drive it yet (the worker must first send the target's features: issue 15).
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
@@ -42,20 +41,17 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 
 from sglang_ssd.draft.config import ModelConfig
-from sglang_ssd.draft.model import MLP, AttnFn, Attention, RMSNorm
+from sglang_ssd.config import is_eagle3_config
+from sglang_ssd.draft.model import (MLP, AttnFn, Attention, RMSNorm, assign_state, read_checkpoint,
+                                    rope_cos_sin)
 
 ARCH = "LlamaForCausalLMEagle3"
 logger = logging.getLogger(__name__)
 LEGACY_NAMES = {"midlayer.": "layers.0.", "aux_norm_low": "fc_norm.0", "aux_norm_mid": "fc_norm.1",
                 "aux_norm_high": "fc_norm.2"}
-
-
-def is_eagle3_config(hf: dict) -> bool:
-    return any("eagle3" in str(a).lower() for a in hf.get("architectures") or [])
 
 
 @dataclass
@@ -167,9 +163,7 @@ class Eagle3Draft(nn.Module):
         """input_ids, positions [T], features [T, D] (``project``-ed target features or the draft's own)
         -> (final-norm hidden [T, D] for ``head_logits``, the next step's feature [T, D])."""
         emb = self.embed_tokens(input_ids)
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
-        ang = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = ang.cos().to(emb.dtype), ang.sin().to(emb.dtype)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, emb.dtype)
         h, residual = features, None
         for layer in self.layers:
             h, residual = layer(emb, h, residual, cos, sin, attn)
@@ -180,22 +174,6 @@ class Eagle3Draft(nn.Module):
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., D] -> float32 logits over the draft vocabulary's rows (token ids: ``head_ids``)."""
         return F.linear(hidden, self.lm_head.weight).float()
-
-
-def _read_state(model_dir: str) -> dict[str, torch.Tensor]:
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if files:
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            state.update(load_file(f, device="cpu"))
-        return state
-    bins = sorted(glob.glob(os.path.join(model_dir, "pytorch_model*.bin")))
-    if not bins:
-        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin in {model_dir}")
-    state = {}
-    for f in bins:  # weights only: no pickled code runs
-        state.update(torch.load(f, map_location="cpu", weights_only=True))
-    return state
 
 
 def _rename(name: str) -> str:
@@ -214,7 +192,7 @@ def load_eagle3(model_dir: str, target_embed: Optional[torch.Tensor] = None, tar
     ``target_layers``: the target's layer count, for the default feature layers."""
     with open(os.path.join(model_dir, "config.json")) as fh:
         cfg = Eagle3Config.from_hf_dict(json.load(fh), target_layers)
-    state = {_rename(k): v for k, v in _read_state(model_dir).items() if "rotary_emb" not in k}
+    state = {_rename(k): v for k, v in read_checkpoint(model_dir).items()}
     for i in range(1, cfg.base.num_layers):  # present in SGLang's later layers, never used
         state.pop(f"layers.{i}.input_layernorm.weight", None)
     d2t, t2d = state.pop("d2t", None), state.pop("t2d", None)
@@ -251,12 +229,7 @@ def load_eagle3(model_dir: str, target_embed: Optional[torch.Tensor] = None, tar
         logger.warning("%s: t2d disagrees with d2t (each draft row's token marked, and only those); "
                        "using d2t, as SGLang does", model_dir)
     state["head_ids"] = ids
-    with torch.device("meta"):
-        model = Eagle3Draft(cfg)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {model_dir} does not match the EAGLE-3 layout: "
-                         f"missing {missing[:8]}, unexpected {unexpected[:8]}")
+    model = assign_state(lambda: Eagle3Draft(cfg), state, f"{model_dir} (EAGLE-3 layout)")
     model.inv_freq = cfg.base.inv_freq()  # non-persistent buffer: recompute off the meta device
     model = model.to(device=device, dtype=dtype)
     model.head_ids = ids.to(device)

@@ -45,6 +45,15 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T] -> (cos, sin) [T, head_dim]: angle[t, i] = pos_t * inv_freq_i in float32, duplicated
+    for the two halves (rotate_half's layout)."""
+    freqs = positions.float()[:, None] * inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x [T, H, d]; cos/sin [T, d] -> rotate pairs (i, i + d/2) by angle pos * inv_freq_i
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
@@ -125,10 +134,7 @@ class CausalLM(nn.Module):
         self.register_buffer("inv_freq", cfg.inv_freq(), persistent=False)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # angle[t, i] = pos_t * inv_freq_i in float32, duplicated for the two halves
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return rope_cos_sin(positions, self.inv_freq, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn) -> torch.Tensor:
         """input_ids, positions [T] -> final-norm hidden states [T, D]."""
@@ -164,28 +170,45 @@ class CausalLM(nn.Module):
         return self(input_ids.reshape(-1), pos, attn).view(b, n, -1)
 
 
-def load_model(model_dir: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> CausalLM:
-    """Build the model on the meta device and assign the checkpoint tensors (no random init)."""
-    cfg = ModelConfig.from_dir(model_dir)
+def read_checkpoint(model_dir: str) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory on the CPU: its *.safetensors (the index's shards when there is
+    one), else its pytorch_model*.bin read weights-only (no pickled code runs).  RoPE caches are dropped."""
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as fh:
             files = sorted({os.path.join(model_dir, f) for f in json.load(fh)["weight_map"].values()})
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
     state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(f, device="cpu"))
-    state = {k: v for k, v in state.items() if "rotary_emb" not in k}
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+    if files:
+        for f in files:
+            state.update(load_file(f, device="cpu"))
+    else:
+        bins = sorted(glob.glob(os.path.join(model_dir, "pytorch_model*.bin")))
+        if not bins:
+            raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin in {model_dir}")
+        for f in bins:
+            state.update(torch.load(f, map_location="cpu", weights_only=True))
+    return {k: v for k, v in state.items() if "rotary_emb" not in k}
+
+
+def assign_state(build: Callable[[], nn.Module], state: dict[str, torch.Tensor], what: str) -> nn.Module:
+    """Build a module on the meta device (no random init) and take the checkpoint's tensors as its own;
+    a key missing or left over is an error naming a few of them."""
     with torch.device("meta"):
-        model = CausalLM(cfg)
+        model = build()
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
-        raise ValueError(f"checkpoint {model_dir} does not match the {cfg.model_type} layout: "
-                         f"missing {missing[:8]}, unexpected {unexpected[:8]}")
+        raise ValueError(f"checkpoint {what} does not match: missing {missing[:8]}, unexpected {unexpected[:8]}")
+    return model
+
+
+def load_model(model_dir: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> CausalLM:
+    """Build the model on the meta device and assign the checkpoint tensors (no random init)."""
+    cfg = ModelConfig.from_dir(model_dir)
+    state = read_checkpoint(model_dir)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    model = assign_state(lambda: CausalLM(cfg), state, f"{model_dir} ({cfg.model_type} layout)")
     model.inv_freq = cfg.inv_freq()  # non-persistent buffer: recompute off the meta device
     model = model.to(device=device, dtype=dtype)
     model.inv_freq = cfg.inv_freq().to(device)  # keep RoPE frequencies in float32

@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from draft_data import data_dir, load_shards  # noqa: E402
+from draft_data import TOPK, data_dir, load_shards  # noqa: E402
 from sglang_ssd import paths  # noqa: E402
 from sglang_ssd.draft.config import ModelConfig  # noqa: E402
 from sglang_ssd.draft.model import CausalLM  # noqa: E402
@@ -66,7 +66,11 @@ class Pool:
             off, lp = sh["offsets"].tolist(), sh["label_pos"]
             for a, b in zip(off, off[1:]):
                 sel = ((lp >= a) & (lp < b)).nonzero().squeeze(-1)
-                dst.append((sh["tokens"][a:b].long(), lp[sel] - a, sh["topk_ids"][sel].long(), sh["topk_p"][sel].float()))
+                kid, kp = sh["topk_ids"][sel].long(), sh["topk_p"][sel].float()
+                if kid.shape[1] < TOPK:  # a hard-label shard (one token, p = 1): pad with p = 0 columns
+                    kid = F.pad(kid, (0, TOPK - kid.shape[1]))
+                    kp = F.pad(kp, (0, TOPK - kp.shape[1]))
+                dst.append((sh["tokens"][a:b].long(), lp[sel] - a, kid, kp))
         self.n_files = len(shards)
 
     @property

@@ -149,6 +149,15 @@ def test_tokens_only_answers_relabel_to_the_same_shard(pair, tmp_path, monkeypat
     assert torch.equal(back["topk_ids"][:, :4], shard["topk_ids"][:, :4])  # the top labels; ties past them may swap
     torch.testing.assert_close(back["topk_p"].float(), shard["topk_p"].float(), atol=2e-3, rtol=0)
     assert z["prompt_lens"].tolist() == [len(p) for p in prompts]
+    # hard labels: the token generated after each labelled position, probability 1
+    hard = draft_data.hard_label(*(torch.from_numpy(x) for x in (z["tokens"].astype(np.int32), z["offsets"],
+                                                                z["prompt_lens"])))
+    assert torch.equal(hard["label_pos"], shard["label_pos"])
+    assert hard["topk_ids"].shape == (len(shard["label_pos"]), 1) and bool((hard["topk_p"] == 1).all())
+    assert torch.equal(hard["topk_ids"][:, 0].long(), shard["tokens"][shard["label_pos"] + 1].long())
+    greedy = draft_data.generate(gen, SimpleNamespace(eos_token_id=11), PROMPTS, 0.0, seed=4)
+    gz = [greedy[k] for k in ("tokens", "offsets")] + [torch.tensor([len(p) for p in PROMPTS], dtype=torch.int32)]
+    assert torch.equal(draft_data.hard_label(*gz)["topk_ids"][:, 0], greedy["topk_ids"][:, 0])  # T = 0: argmax
 
 
 def test_draft_data_skips_jobs_already_done_or_exported(tmp_path):

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_ssd import protocol as P
+from sglang_ssd.protocol import framing
 from sglang_ssd.protocol import (PROTOCOL_VERSION, Ack, ErrorReply, Health, HealthReply, Hello, HelloReply, Prefill,
                                  ProtocolError, Release, Shutdown, Speculate, SpecReply, decode, peek_req_id)
 
@@ -197,13 +198,13 @@ def test_prefill_token_buffer_consistency():
 
 
 def test_size_limits(monkeypatch):
-    monkeypatch.setattr(P, "MAX_HEADER_BYTES", 200)
+    monkeypatch.setattr(framing, "MAX_HEADER_BYTES", 200)
     with pytest.raises(ProtocolError, match="header"):
         Release([f"r{i}" for i in range(100)]).encode()
     with pytest.raises(ProtocolError, match="header frame"):
         decode([b"\x80" * 201])
-    monkeypatch.setattr(P, "MAX_HEADER_BYTES", 4 << 20)
-    monkeypatch.setattr(P, "MAX_FRAME_BYTES", 64)
+    monkeypatch.setattr(framing, "MAX_HEADER_BYTES", 4 << 20)
+    monkeypatch.setattr(framing, "MAX_FRAME_BYTES", 64)
     with pytest.raises(ProtocolError):
         _reply().encode()
     with pytest.raises(ProtocolError, match="limit|bytes|outside"):
@@ -211,7 +212,7 @@ def test_size_limits(monkeypatch):
         h = _header(frames)
         h["arrays"][0][2] = [1000]
         decode([msgpack.packb(h), b"\0" * 8000, *frames[2:]])
-    monkeypatch.setattr(P, "MAX_BATCH", 2)
+    monkeypatch.setattr(framing, "MAX_BATCH", 2)
     with pytest.raises(ProtocolError, match="longer"):
         Release(["a", "b", "c"]).encode()
 

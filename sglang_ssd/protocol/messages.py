@@ -8,7 +8,7 @@ from typing import ClassVar, Optional
 import numpy as np
 
 from sglang_ssd.protocol.framing import (BACKUPS, MAX_BATCH, MAX_FAN_OUT, MAX_K, MAX_MESSAGE_STR, MAX_PROMPT_TOKENS,
-                                         MAX_VOCAB, MESSAGE_TYPES, MODES, PROTOCOL_VERSION, Message, ProtocolError,
+                                         MAX_VOCAB, MESSAGE_TYPES, MODES, Message, ProtocolError,
                                          _fail, _float, _float_list, _int, _int_list, _same_len, _stats, _str, _str_list)
 
 

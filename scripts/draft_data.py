@@ -305,13 +305,14 @@ def import_gen(src: Path, threads: int, part=(0, 1), directory: Path | None = No
     """src/gen_<job>.npz -> labelled shards in the data directory (skips shards already there); ``hard``:
     the generated tokens as labels (hard_label), no target forward."""
     import numpy as np
-    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
     out = directory or data_dir()
     out.mkdir(parents=True, exist_ok=True)
-    target = None if hard else AutoModelForCausalLM.from_pretrained(paths.target_path(),
-                                                                    dtype=torch.float32).eval()
+    target = None
+    if not hard:  # only relabelling runs the target
+        from transformers import AutoModelForCausalLM
+        target = AutoModelForCausalLM.from_pretrained(paths.target_path(), dtype=torch.float32).eval()
     n = 0
     for k, f in enumerate(sorted(glob.glob(str(src / "gen_*.npz")))):
         job = int(Path(f).stem.split("_")[1])

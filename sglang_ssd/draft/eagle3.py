@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang_ssd.draft.config import ModelConfig
 from sglang_ssd.config import is_eagle3_config
+from sglang_ssd.draft.config import ModelConfig
 from sglang_ssd.draft.model import (MLP, AttnFn, Attention, RMSNorm, assign_state, read_checkpoint,
                                     rope_cos_sin)
 

@@ -8,7 +8,7 @@ Two kinds of jobs, interleaved in a fixed seeded order (so a stopped run resumes
   gen   the target's own answers to programmatic prompts of four kinds (chat through the chat template,
         code, math, factual completions; none equal to a held-out prompt), 512 per job (a static-KV
         batched loop, scripts/fast_generate.py), up to 96 new tokens; every prompt is answered
-        once per pass, the passes at T = 1, 0.7, 0, 1; each generated position labelled with the
+        once per pass, the passes at T = 1, 0.7, 0, 1, 0.7; each generated position labelled with the
         target's T=1 distribution.
 
 Every job writes one shard (safetensors): tokens int32 [N] (all sequences of the job, concatenated),
@@ -63,7 +63,7 @@ GEN_BATCH = 512  # prompts per generation job, answered GEN_ROWS at a time (rows
 GEN_ROWS = 128   # fast_generate's static batch (results/gen_speed.md)
 GEN_TOKENS = 96
 # temperature of each pass over the prompts (T = 1 twice: two different samples), ~4 x 6k answers in all
-GEN_PASSES = (1.0, 0.7, 0.0, 1.0)
+GEN_PASSES = (1.0, 0.7, 0.0, 1.0, 0.7)
 # job pattern: one generation job (512 prompts, up to 49k positions) per four text jobs (4k positions)
 PATTERN = ("gen", "text", "text", "text", "text")
 GEN_ASSETS = HERE.parent / "assets" / "gen"  # answers already committed as tokens only (export_gen)

@@ -86,6 +86,7 @@ class SaguaroConfigError(ValueError):
 class SaguaroConfig:
     draft_model_path: str
     num_spec_tokens: int = 4
+    target_model_path: Optional[str] = None  # --model-path (an EAGLE-3 draft reads the target's embedding)
     fan_out: list[int] = field(default_factory=list)  # len K+1 after validation
     mode: str = "async"
     saguaro_c: float = 1.0
@@ -111,7 +112,8 @@ class SaguaroConfig:
     def from_sources(cls, draft_model_path: Optional[str], num_steps: Optional[int],
                      env: Optional[dict] = None) -> "SaguaroConfig":
         extra = load_env_config(os.environ if env is None else env)
-        known = {f.name for f in dataclasses.fields(cls)} - {"draft_model_path", "num_spec_tokens"}
+        known = {f.name for f in dataclasses.fields(cls)} - {"draft_model_path", "num_spec_tokens",
+                                                              "target_model_path"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise SaguaroConfigError(
@@ -127,8 +129,10 @@ class SaguaroConfig:
 
     @classmethod
     def from_server_args(cls, server_args: Any) -> "SaguaroConfig":
-        return cls.from_sources(getattr(server_args, "speculative_draft_model_path", None),
-                                getattr(server_args, "speculative_num_steps", None))
+        cfg = cls.from_sources(getattr(server_args, "speculative_draft_model_path", None),
+                               getattr(server_args, "speculative_num_steps", None))
+        cfg.target_model_path = getattr(server_args, "model_path", None)
+        return cfg
 
     # ---- validation ---------------------------------------------------------------------
     def validate(self) -> None:
@@ -332,9 +336,11 @@ def validate_draft_path(path: str) -> None:
         raise SaguaroConfigError(f"{DRAFT_FLAG}: {path!r} holds no *.safetensors weights")
     archs = hf.get("architectures") or []
     if is_eagle3_config(hf):
-        raise SaguaroConfigError(f"{DRAFT_FLAG}: {path!r} is an EAGLE-3 draft head ({archs}); saguaro does not "
-                                 "serve EAGLE-3 heads yet (they need the target's hidden states each round); "
-                                 "use a standalone draft LM with the target's tokenizer")
+        if not any(a == "LlamaForCausalLMEagle3" for a in archs):
+            raise SaguaroConfigError(f"{DRAFT_FLAG}: unsupported EAGLE-3 architecture {archs}; supported: "
+                                     "LlamaForCausalLMEagle3 (SpecForge's layout)")
+        return
     if not any(a in ("LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM") for a in archs):
         raise SaguaroConfigError(f"{DRAFT_FLAG}: unsupported draft architecture {archs}; "
-                                 "supported: LlamaForCausalLM, Qwen3ForCausalLM, MistralForCausalLM")
+                                 "supported: LlamaForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, and EAGLE-3 "
+                                 "heads (LlamaForCausalLMEagle3)")

@@ -1,7 +1,7 @@
 """EAGLE-3 draft heads (sglang_ssd/draft/eagle3.py): a synthetic checkpoint with the published key names,
 shapes and config fields (SpecForge's save layout, which SGLang's llama_eagle3.py loads) loads, maps its
 draft vocabulary through d2t, and computes what SpecForge's single-layer draft computes; bad checkpoints get
-clear errors; saguaro's launch check refuses EAGLE-3 heads by name (not served yet)."""
+clear errors; saguaro's launch check takes them (tests/test_eagle3_draft.py and test_eagle3_e2e.py serve them)."""
 
 import json
 import logging
@@ -178,10 +178,12 @@ def test_bad_checkpoints_get_clear_errors(tmp_path, caplog):
         load_eagle3(_write(tmp_path, headless, name="f"), target_embed=torch.randn(V, D), target_head=torch.randn(V, D))
 
 
-def test_launch_check_names_eagle3_heads(tmp_path):
+def test_launch_check_takes_eagle3_heads(tmp_path):
+    """saguaro serves SpecForge's LlamaForCausalLMEagle3 heads; another EAGLE-3 architecture is named."""
     w, _ = _weights()
-    with pytest.raises(SaguaroConfigError, match="EAGLE-3 draft head"):
-        validate_draft_path(_write(tmp_path, w))
+    validate_draft_path(_write(tmp_path, w))
+    with pytest.raises(SaguaroConfigError, match="unsupported EAGLE-3 architecture"):
+        validate_draft_path(_write(tmp_path, w, _config(architectures=["Qwen3ForCausalLMEagle3"]), name="q"))
 
 
 def test_two_layers_and_tied_head(tmp_path):

@@ -266,3 +266,28 @@ def test_prefill_saguaro_c_round_trip_and_range():
             Prefill(["a"], [[1]], [1.0], bad).encode()
     with pytest.raises(ProtocolError):
         Prefill(["a", "b"], [[1], [2]], [1.0, 1.0], [0.5]).encode()
+
+
+def test_speculate_features_round_trip_and_checks():
+    """An EAGLE-3 draft's target features: rows per request, stacked; checked against feat_lens."""
+    feats = np.arange(5 * 6, dtype=np.float16).reshape(5, 6)
+    msg = Speculate(3, ["a", "b"], [1, -1], [4, 5], [0.0, 1.0], feat_starts=[10, 0], feat_lens=[2, 3],
+                    features=feats)
+    got = decode([bytes(f) for f in msg.encode()])
+    start, rows = got.features_of(1)
+    assert start == 0 and np.array_equal(rows, feats[2:]) and got.features_of(0)[0] == 10
+    plain = decode([bytes(f) for f in Speculate(1, ["a"], [0], [2], [0.0]).encode()])
+    assert plain.features_of(0)[1].shape[0] == 0  # a standalone draft's Speculate: no features
+    with pytest.raises(ProtocolError, match="sum\\(feat_lens\\)"):
+        Speculate(3, ["a", "b"], [1, -1], [4, 5], [0.0, 1.0], feat_starts=[10, 0], feat_lens=[2, 2],
+                  features=feats).encode()
+    with pytest.raises(ProtocolError, match="feat_starts"):
+        Speculate(3, ["a", "b"], [1, -1], [4, 5], [0.0, 1.0], feat_starts=[10], feat_lens=[2, 3],
+                  features=feats).encode()
+    with pytest.raises(ProtocolError, match=">= 0"):
+        Speculate(3, ["a", "b"], [1, -1], [4, 5], [0.0, 1.0], feat_starts=[10, 0], feat_lens=[6, -1],
+                  features=feats).encode()
+    r = HelloReply(PROTOCOL_VERSION, 96, "d", 1, feature_layers=[1, 14, 26], feature_dim=1728)
+    assert decode([bytes(f) for f in r.encode()]).feature_layers == [1, 14, 26]
+    with pytest.raises(ProtocolError, match="feature_dim"):
+        HelloReply(PROTOCOL_VERSION, 96, "d", 1, feature_layers=[1], feature_dim=0).encode()

@@ -134,3 +134,47 @@ def greedy_reference(runner, context: list[int], n: int) -> list[int]:
         if i + 1 < n:
             logits = runner.forward([ForwardItem.extend(kv, [out[-1]], len(context) + i)])[0][0]
     return out
+
+
+def make_eagle3_head(target_dir: str, out_dir: str, seed: int = 0, draft_vocab: int = 8192,
+                     std: float = 0.05) -> str:
+    """A random EAGLE-3 head for a real target in SpecForge's published layout: one ``midlayer``, ``fc``
+    over 3 of the target's layers, ``d2t`` / ``t2d`` over `draft_vocab` token ids, no embedding (the
+    target's is used, as SGLang does).  Its ``lm_head`` rows are the target's embedding rows of its
+    draft vocabulary (so proposals are real tokens, not noise); it is untrained, so its acceptance is
+    low: serving tests check exactness and the feature plumbing, not its speed."""
+    from safetensors import safe_open
+
+    with open(os.path.join(target_dir, "config.json")) as fh:
+        t = json.load(fh)
+    d, heads, kv = t["hidden_size"], t["num_attention_heads"], t["num_key_value_heads"]
+    hd, ff, vocab = t.get("head_dim") or d // heads, t["intermediate_size"], t["vocab_size"]
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g) * std
+
+    hot = torch.sort(torch.randperm(vocab, generator=g)[:draft_vocab]).values
+    with safe_open(os.path.join(target_dir, "model.safetensors"), framework="pt") as sf:
+        embed = sf.get_tensor("model.embed_tokens.weight").float()
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[hot] = True
+    w = {"fc.weight": r(d, 3 * d), "norm.weight": torch.ones(d), "lm_head.weight": embed[hot].clone(),
+         "d2t": hot - torch.arange(draft_vocab), "t2d": t2d,
+         "midlayer.hidden_norm.weight": torch.ones(d), "midlayer.input_layernorm.weight": torch.ones(d),
+         "midlayer.post_attention_layernorm.weight": torch.ones(d),
+         "midlayer.self_attn.q_proj.weight": r(heads * hd, 2 * d), "midlayer.self_attn.k_proj.weight": r(kv * hd, 2 * d),
+         "midlayer.self_attn.v_proj.weight": r(kv * hd, 2 * d), "midlayer.self_attn.o_proj.weight": r(d, heads * hd),
+         "midlayer.mlp.gate_proj.weight": r(ff, d), "midlayer.mlp.up_proj.weight": r(ff, d),
+         "midlayer.mlp.down_proj.weight": r(d, ff)}
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": d,
+           "intermediate_size": ff, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
+           "num_hidden_layers": 1, "rms_norm_eps": t.get("rms_norm_eps", 1e-5),
+           "rope_theta": t.get("rope_theta", 10000.0), "vocab_size": vocab, "draft_vocab_size": draft_vocab,
+           "target_hidden_size": d, "tie_word_embeddings": False, "hidden_act": "silu",
+           "max_position_embeddings": t.get("max_position_embeddings", 8192)}
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as fh:
+        json.dump(cfg, fh)
+    save_file({k: v.contiguous() for k, v in w.items()}, os.path.join(out_dir, "model.safetensors"))
+    return out_dir

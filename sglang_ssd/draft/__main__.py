@@ -23,6 +23,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="Hugging Face checkpoint dir (config.json + *.safetensors)")
     p.add_argument("--bind", default="ipc", help="ipc:///path.sock | tcp://127.0.0.1:PORT | 'ipc' | 'tcp' "
                    "(tcp defaults to 127.0.0.1; default: a fresh ipc:///tmp/sglang-ssd-<uuid>.sock)")
+    p.add_argument("--target-model", default=None, metavar="DIR",
+                   help="the target's checkpoint dir: an EAGLE-3 head reads its embedding and layer count")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on cuda, float32 on cpu")
@@ -70,7 +72,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     server = DraftServer.from_model_dir(args.model, bind, args.device, args.dtype, args.seed, args.max_batch,
                                         curve_keys=args.curve_keys, attention=args.attention,
-                                        cuda_graphs=not args.no_cuda_graphs)
+                                        cuda_graphs=not args.no_cuda_graphs, target_dir=args.target_model)
     signal.signal(signal.SIGTERM, lambda *_: server._stop.set())
     if args.ready_file:
         tmp = args.ready_file + ".tmp"

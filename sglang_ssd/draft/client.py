@@ -152,9 +152,12 @@ class DraftClient:
         return self.request(msg, Ack, timeout_s)
 
     def speculate(self, round_id: int, rids: Sequence[str], ks: Sequence[int], bonuses: Sequence[int],
-                  temperatures: Sequence[float], timeout_s: Optional[float] = None) -> SpecReply:
+                  temperatures: Sequence[float], timeout_s: Optional[float] = None,
+                  features: Optional[tuple] = None) -> SpecReply:
+        """features: (feat_starts [n], feat_lens [n], rows [sum, F] float16) for an EAGLE-3 draft."""
+        extra = {} if features is None else dict(zip(("feat_starts", "feat_lens", "features"), features))
         msg = Speculate(round_id, list(rids), [int(k) for k in ks], [int(b) for b in bonuses],
-                        [float(t) for t in temperatures])
+                        [float(t) for t in temperatures], **extra)
         reply = self.request(msg, SpecReply, timeout_s)
         if reply.round_id != round_id or reply.tokens.shape[0] != len(rids):
             raise ProtocolError(f"reply to round {round_id} has round {reply.round_id} / "

@@ -27,8 +27,8 @@ target's layers 1, L/2 - 1, L - 4, i.e. SGLang's capture points 2, L/2, L - 3), 
 ``fc_norm`` / ``use_aux_norm``, ``norm_output``.
 
 The draft vocabulary is the same idea as sglang-ssd's reduced head (``head_ids``): q is exactly 0 off it,
-so verification against q stays exact.  This module is the model and its loader; the draft runner does not
-drive it yet (the worker must first send the target's features: issue 15).
+so verification against q stays exact.  This module is the model and its loaders (``load_draft`` picks the
+kind from the checkpoint's config); the runner drives it with the target's features (features.py).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from torch import nn
 
 from sglang_ssd.config import is_eagle3_config
 from sglang_ssd.draft.config import ModelConfig
-from sglang_ssd.draft.model import (MLP, AttnFn, Attention, RMSNorm, assign_state, read_checkpoint,
-                                    rope_cos_sin)
+from sglang_ssd.draft.model import (MLP, AttnFn, Attention, CausalLM, RMSNorm, assign_state, load_model,
+                                    read_checkpoint, rope_cos_sin)
 
 ARCH = "LlamaForCausalLMEagle3"
 logger = logging.getLogger(__name__)
@@ -175,6 +175,12 @@ class Eagle3Draft(nn.Module):
         """[..., D] -> float32 logits over the draft vocabulary's rows (token ids: ``head_ids``)."""
         return F.linear(hidden, self.lm_head.weight).float()
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[R, D] -> float32 logits [R, V]: -inf (probability 0) at every token without a draft row."""
+        sub = self.head_logits(hidden)
+        out = sub.new_full((sub.shape[0], self.cfg.base.vocab_size), float("-inf"))
+        return out.index_copy_(1, self.head_ids, sub)
+
 
 def _rename(name: str) -> str:
     name = name[len("model."):] if name.startswith("model.") else name
@@ -235,3 +241,44 @@ def load_eagle3(model_dir: str, target_embed: Optional[torch.Tensor] = None, tar
     model.head_ids = ids.to(device)
     model.inv_freq = cfg.base.inv_freq().to(device)  # RoPE frequencies stay float32
     return model.eval().requires_grad_(False)
+
+
+def _target_tensor(target_dir: str, name: str) -> Optional[torch.Tensor]:
+    """One tensor of the target's checkpoint (safetensors, read lazily: a large target is not loaded)."""
+    from safetensors import safe_open
+
+    index = os.path.join(target_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as fh:
+            files = [json.load(fh)["weight_map"].get(name)]
+    else:
+        files = sorted(f for f in os.listdir(target_dir) if f.endswith(".safetensors"))
+    for f in files:
+        if f is None:
+            continue
+        with safe_open(os.path.join(target_dir, f), framework="pt") as sf:
+            if name in sf.keys():
+                return sf.get_tensor(name)
+    return None
+
+
+def load_draft(model_dir: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               target_dir: Optional[str] = None) -> "CausalLM | Eagle3Draft":
+    """A draft checkpoint of either kind, chosen by its config: an EAGLE-3 head (reads the target's
+    embedding and layer count from ``target_dir`` when the checkpoint leaves them out) or a causal LM."""
+    with open(os.path.join(model_dir, "config.json")) as fh:
+        hf = json.load(fh)
+    if not is_eagle3_config(hf):
+        return load_model(model_dir, device, dtype)
+    embed = layers = None
+    if target_dir is not None:
+        with open(os.path.join(target_dir, "config.json")) as fh:
+            layers = int(json.load(fh)["num_hidden_layers"])
+        embed = _target_tensor(target_dir, "model.embed_tokens.weight")
+    model = load_eagle3(model_dir, target_embed=embed, target_layers=layers, device=device, dtype=dtype)
+    if model.cfg.aux_layer_ids is None:
+        raise ValueError(f"{model_dir}: the EAGLE-3 config names no feature layers; pass the target's "
+                         "checkpoint (--target-model) for the default ones")
+    logger.info("loaded EAGLE-3 head %s: %d layer(s), draft vocab %d, target features of layers %s",
+                model_dir, model.cfg.base.num_layers, model.cfg.draft_vocab_size, model.cfg.aux_layer_ids)
+    return model

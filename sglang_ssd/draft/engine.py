@@ -68,6 +68,7 @@ class Stats:
     tree_ms: float = 0.0
     answer_ms: float = 0.0
     backup_ms: float = 0.0
+    feature_rows: int = 0              # target feature rows received (an EAGLE-3 draft)
     builds_cut: int = 0                # builds stopped early because a message was waiting
     builds_cut_before_glue: int = 0    # ... of which before the glue forward (nothing built)
     cut_depth_hist: dict[int, int] = field(default_factory=dict)  # depths finished by all rows -> cuts
@@ -148,7 +149,8 @@ class DraftEngine:
         return HelloReply(version=PROTOCOL_VERSION, draft_vocab_size=self.runner.vocab_size,
                           draft_model_name=self.runner.cfg.name[:4096], pid=os.getpid(),
                           device=str(self.runner.device), dtype=str(self.runner.dtype).replace("torch.", ""),
-                          max_batch=self.max_batch, resumed=resumed)
+                          max_batch=self.max_batch, resumed=resumed, feature_layers=self.runner.feature_layers,
+                          feature_dim=self.runner.feature_dim)
 
     def reset(self) -> None:
         self.requests.clear()
@@ -180,8 +182,11 @@ class DraftEngine:
                               saguaro_c=c if s.mode == "async" else 1.0)
             self.requests[rid] = st
             states.append(st)
-        # all prompt tokens become committed KV (chunked so one forward stays bounded)
-        for start in range(0, max((len(st.tokens) for st in states), default=0), PREFILL_CHUNK):
+        # all prompt tokens become committed KV (chunked so one forward stays bounded).  An EAGLE-3 head
+        # waits for the target's features of the prompt (the first Speculate brings them): its KV is
+        # written then, by the first forward that needs it (the glue or the backup catch up)
+        prompt_len = 0 if self.runner.eagle else max((len(st.tokens) for st in states), default=0)
+        for start in range(0, prompt_len, PREFILL_CHUNK):
             batch = [st for st in states if len(st.tokens) > start]
             items = []
             for st in batch:
@@ -194,7 +199,7 @@ class DraftEngine:
             st.last_spec, st.last_hit = [], False
         replaced = {st.rid for st in states}
         self.pending = [(st, j) for st, j in self.pending if st.rid not in replaced]
-        if msg.round0 and s.mode == "async":  # the target is prefilling: build round 0 meanwhile
+        if msg.round0 and s.mode == "async" and not self.runner.eagle:  # the target is prefilling: build round 0
             self.pending += [(st, None) for st in states]
         return Ack(count=len(states))
 
@@ -223,6 +228,14 @@ class DraftEngine:
         bad_b = [r for r, b in zip(msg.rids, msg.bonuses) if b >= self.runner.vocab_size]
         if bad_b:
             raise EngineError("bonus token id >= vocab size", bad_b)
+        if len(msg.feat_lens) and msg.features.shape[1] != self.runner.feature_dim:
+            raise EngineError(f"features of width {msg.features.shape[1]} for a draft that takes "
+                              f"{self.runner.feature_dim} (0: none)", list(msg.rids))
+        if len(msg.feat_lens):  # features only for committed positions: the new bonus has none yet
+            known = [len(self.requests[r].tokens) + max(k, 0) + 1 for r, k in zip(msg.rids, msg.ks)]
+            bad_f = [r for r, a, m, n in zip(msg.rids, msg.feat_starts, msg.feat_lens, known) if m and a + m >= n]
+            if bad_f:
+                raise EngineError("features for positions past the last committed token", bad_f)
         return s
 
     def speculate(self, msg: Speculate) -> SpecReply:
@@ -241,6 +254,11 @@ class DraftEngine:
         for i, (st, k, b, t) in enumerate(zip(states, msg.ks, msg.bonuses, msg.temperatures)):
             st.temperature = t
             st.advance(k, b)
+            if len(msg.feat_lens) and msg.feat_lens[i]:  # the target's features of committed positions
+                start, rows = msg.features_of(i)
+                self.runner.put_features(st.kv, start, torch.from_numpy(rows))
+                self.stats.feature_rows += rows.shape[0]
+                st.invalidate_from(start + 1)  # slots after them were written with the draft's own features
             entry = self.cache.take(st.rid, k, b, t) if s.mode == "async" else None
             if entry is None:
                 missed.append(i)
@@ -365,7 +383,7 @@ class DraftEngine:
             "pid": os.getpid(), "uptime_s": time.time() - self.t_start,
             "rounds": st.rounds, "rows": st.rows, "hits": c.hits, "misses": c.misses,
             "forced_misses": c.forced_misses, "hit_rate": c.hits / max(c.lookups, 1),
-            "backup_rows": st.backup_rows, "live_requests": len(self.requests),
+            "backup_rows": st.backup_rows, "live_requests": len(self.requests), "feature_rows": st.feature_rows,
             "neural_backup_rows": self.backups.rows["neural"], "fast_backup_rows": self.backups.rows["fast"],
             "hybrid_backup_rows": self.backups.rows["hybrid"],
             "backup_fast_now": int(self.backups.policy.current == "fast"),

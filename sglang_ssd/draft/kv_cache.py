@@ -19,6 +19,7 @@ class RequestKV:
         self.shape = (num_layers, num_kv_heads, head_dim)
         self.dtype, self.device = dtype, torch.device(device)
         self.capacity = 0
+        self.features = None  # an EAGLE-3 draft's FeatureBuffer (features.py), set by the runner
         self.k = self.v = torch.empty(0)
         self.ensure(capacity)
 

@@ -93,6 +93,7 @@ class PagedRequestKV:
     drops a request simply by forgetting its RequestState; ``free()`` does it explicitly."""
 
     def __init__(self, pool: PagedKVPool, capacity: int = 0):
+        self.features = None  # an EAGLE-3 draft's FeatureBuffer (features.py), set by the runner
         self.pool = pool
         self.pages: list[int] = []
         self._fin = weakref.finalize(self, _release, pool, self.pages)

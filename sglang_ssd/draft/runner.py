@@ -12,6 +12,10 @@ Both consume the same per-item masks (tree.py), so the tree layout is identical.
 warmed up (its kernels JIT-compiled and checked against SDPA) and the start-up graphs captured in
 the constructor, i.e. before the draft reports READY; a failed warm-up falls back to SDPA
 (``start_attention``).
+
+An EAGLE-3 head (eagle3.py) runs through the same items: each row also reads its parent slot's
+feature (features.py) and leaves its own output there; extends whose rows depend on each other's
+outputs are cut into passes (``features.split_extend``).  Its forwards run eagerly (no CUDA graphs).
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ from typing import Optional, Sequence
 import torch
 
 from sglang_ssd.draft.attention import AttnSeq, BatchAttention
+from sglang_ssd.draft.eagle3 import Eagle3Draft, load_draft
+from sglang_ssd.draft.features import FeatureBuffer, parents_of, split_extend
 from sglang_ssd.draft.flashinfer_attention import select_backend
 from sglang_ssd.draft.kv_cache import RequestKV
-from sglang_ssd.draft.model import CausalLM, load_model
+from sglang_ssd.draft.model import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +71,14 @@ class ForwardItem:
 
 
 class DraftRunner:
-    def __init__(self, model: CausalLM, device: str | torch.device = "cpu", attention: str = "auto",
+    def __init__(self, model: CausalLM | Eagle3Draft, device: str | torch.device = "cpu", attention: str = "auto",
                  cuda_graphs: bool = True, page_size: int = PAGE_SIZE, pool_tokens: int = POOL_TOKENS):
         self.model = model
-        self.cfg = model.cfg
+        self.eagle = isinstance(model, Eagle3Draft)  # feature-conditioned: reads the target's features
+        self.cfg = model.cfg.base if self.eagle else model.cfg
         self.device = torch.device(device)
-        self.dtype = model.model.embed_tokens.weight.dtype
+        self.dtype = (model.embed_tokens if self.eagle else model.model.embed_tokens).weight.dtype
+        cuda_graphs = cuda_graphs and not self.eagle
         self.forward_calls = 0
         self.forward_tokens = 0
         # column space: a reduced head's rows sorted by token id once (so column order = id order and
@@ -150,8 +158,27 @@ class DraftRunner:
 
     @classmethod
     def from_dir(cls, model_dir: str, device: str = "cpu", dtype: str | torch.dtype = "auto",
-                 attention: str = "auto", cuda_graphs: bool = True) -> "DraftRunner":
-        return cls(load_model(model_dir, device, resolve_dtype(dtype, device)), device, attention, cuda_graphs)
+                 attention: str = "auto", cuda_graphs: bool = True,
+                 target_dir: Optional[str] = None) -> "DraftRunner":
+        """target_dir: the target's checkpoint, read only for an EAGLE-3 head (its embedding, layer count)."""
+        model = load_draft(model_dir, device, resolve_dtype(dtype, device), target_dir)
+        return cls(model, device, attention, cuda_graphs)
+
+    @property
+    def feature_layers(self) -> list[int]:
+        """Target layers whose outputs the draft conditions on (empty: a standalone draft)."""
+        return list(self.model.cfg.aux_layer_ids) if self.eagle else []
+
+    @property
+    def feature_dim(self) -> int:
+        """Width of one position's target features as the worker sends them (n_aux x target hidden)."""
+        return self.model.cfg.num_aux * self.model.cfg.target_hidden_size if self.eagle else 0
+
+    @torch.no_grad()
+    def put_features(self, kv, start: int, target_features: torch.Tensor) -> None:
+        """The target's features [m, F] for positions start.. of a request: projected by the head's fc."""
+        proj = self.model.project(target_features.to(self.device, self.dtype))
+        kv.features.put_target(start, proj)
 
     @property
     def vocab_size(self) -> int:
@@ -173,9 +200,15 @@ class DraftRunner:
     def new_kv(self, capacity: int = 64):
         """A request's KV: pool pages on the FlashInfer path, else its own RequestKV tensors."""
         if self.pool is not None:
-            return self.pool.new_request(capacity)
+            kv = self.pool.new_request(capacity)
+            if self.eagle:
+                kv.features = FeatureBuffer(self.cfg.hidden_size, self.dtype, self.device, capacity)
+            return kv
         c = self.cfg
-        return RequestKV(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, capacity)
+        kv = RequestKV(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, capacity)
+        if self.eagle:
+            kv.features = FeatureBuffer(c.hidden_size, self.dtype, self.device, capacity)
+        return kv
 
     @torch.no_grad()
     def forward(self, items: Sequence[ForwardItem], cols: bool = False) -> list[torch.Tensor]:
@@ -185,13 +218,44 @@ class DraftRunner:
             return []
         for it in items:
             it.kv.ensure(max(it.kv_len, int(it.slots.max()) + 1))
+        if self.eagle:
+            return self._forward_passes(items, cols)
+        return self._forward_once(items, cols)
+
+    def _forward_passes(self, items: Sequence[ForwardItem], cols: bool) -> list[torch.Tensor]:
+        """EAGLE-3: each item cut into passes (features.split_extend; a tree depth is one pass), pass i
+        of every item batched together; logits re-assembled per item in row order."""
+        pieces = []
+        for it in items:
+            q = len(it.tokens)
+            spans = [(0, q)] if it.mask is not None else split_extend(it.kv.features, int(it.slots[0]), q)
+            subs = []
+            for a, b in spans:  # a causal extend's rows a..b-1 see slots up to their own
+                n_log = max(0, min(b, q) - max(a, q - it.n_logits))
+                subs.append(it if (a, b) == (0, q) else
+                            ForwardItem(it.kv, it.tokens[a:b], it.positions[a:b], it.slots[a:b],
+                                        int(it.slots[b - 1]) + 1, None, n_log))
+            pieces.append(subs)
+        outs: list[list[torch.Tensor]] = [[] for _ in items]
+        for p in range(max(len(s) for s in pieces)):
+            idx = [i for i, s in enumerate(pieces) if p < len(s)]
+            for i, lg in zip(idx, self._forward_once([pieces[i][p] for i in idx], cols)):
+                outs[i].append(lg)
+        return [torch.cat(o) for o in outs]
+
+    def _forward_once(self, items: Sequence[ForwardItem], cols: bool) -> list[torch.Tensor]:
         dev = self.device
         # non_blocking: a pageable host->device copy is staged at once, without waiting for the device
         ids = torch.cat([it.tokens for it in items]).to(dev, non_blocking=True)
         pos = torch.cat([it.positions for it in items]).to(dev, non_blocking=True)
         seqs = [AttnSeq(it.kv, it.slots, it.kv_len, it.mask) for it in items]
         hidden = self.graphs.run(seqs, ids, pos) if self.graphs is not None else None
-        if hidden is None:  # eager: no graphs, or no bucket fits (prefill chunks)
+        if self.eagle:  # each row's parent feature in, each row's own output feature out
+            feats = torch.cat([it.kv.features.gather(parents_of(it.slots, it.mask).to(dev)) for it in items])
+            hidden, nxt = self.model(ids, pos, feats, self._attention(seqs))
+            for it, o in zip(items, torch.split(nxt, [len(it.tokens) for it in items])):
+                it.kv.features.store(it.slots.to(dev), o)
+        elif hidden is None:  # eager: no graphs, or no bucket fits (prefill chunks)
             hidden = self.model(ids, pos, self._attention(seqs))
         # only the rows that need logits go through the (large) LM head
         rows, off = [], 0

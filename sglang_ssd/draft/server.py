@@ -73,12 +73,12 @@ class DraftServer:
     def from_model_dir(cls, model_dir: str, endpoint: str | None = None, device: str = "cpu",
                        dtype: str = "auto", seed: int = 0, max_batch: int = 1024,
                        curve_keys: Optional[str] = None, attention: str = "auto",
-                       cuda_graphs: bool = True) -> "DraftServer":
+                       cuda_graphs: bool = True, target_dir: Optional[str] = None) -> "DraftServer":
         # endpoint and keys are checked before the (slow) model load, so a bad setting fails at once
         endpoint = normalize_endpoint(endpoint, curve=curve_keys is not None)
         if curve_keys is not None:
             curve.check_key_dir(curve_keys, curve.SERVER)
-        runner = DraftRunner.from_dir(model_dir, device, dtype, attention, cuda_graphs)
+        runner = DraftRunner.from_dir(model_dir, device, dtype, attention, cuda_graphs, target_dir)
         return cls(DraftEngine(runner, seed, max_batch), endpoint,
                    curve_keys=curve_keys)
 

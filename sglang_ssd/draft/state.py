@@ -55,6 +55,12 @@ class RequestState:
         del self.written[start:]
         self.kv_valid = min(self.kv_valid, start)
 
+    def invalidate_from(self, slot: int) -> None:
+        """Slots >= slot must be computed again (an EAGLE-3 draft got the target's features for the
+        positions before them); the next forward that needs them re-extends from there."""
+        del self.written[slot:]
+        self.kv_valid = min(self.kv_valid, slot)
+
     def end_write(self, tokens: Sequence[int]) -> None:
         """The forward that began at len(written) wrote `tokens` there."""
         self.written.extend(int(t) for t in tokens)

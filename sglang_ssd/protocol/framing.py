@@ -11,12 +11,13 @@ import msgpack
 import numpy as np
 
 MAGIC = "sglang-ssd"
-PROTOCOL_VERSION = 7  # 2: Prefill carries per-request Saguaro sampling C; Hello the backup kind
+PROTOCOL_VERSION = 8  # 2: Prefill carries per-request Saguaro sampling C; Hello the backup kind
                       # 3: HelloReply says whether the session was resumed (state kept)
                       # 4: Prefill.round0: build a round-0 cache (sent while the target prefills)
                       # 5: SpecReply.q_ids: q travels over the draft head's token ids only
                       # 6: SpecReply.builds / cut_depth / fast_rows (for the worker's metrics)
                       # 7: backup "hybrid" (one neural draft step, then n-gram; counted in fast_rows)
+                      # 8: target features for EAGLE-3 drafts (HelloReply.feature_layers, Speculate.features)
 BACKUPS = ("neural", "fast", "hybrid", "auto")
 MAX_HEADER_BYTES = 4 << 20        # msgpack header frame
 MAX_FRAME_BYTES = 1 << 30         # any array frame (q of a large batch is the big one)
@@ -25,6 +26,8 @@ MAX_K = 64                        # drafts per round
 MAX_FAN_OUT = 1024                # branches forked at one glue index
 MAX_VOCAB = 1 << 22
 MAX_PROMPT_TOKENS = 1 << 24       # total tokens in one Prefill
+MAX_FEATURE_DIM = 1 << 17         # width of one position's target features (n_aux x hidden size)
+MAX_FEATURE_LAYERS = 64           # target layers a draft may ask features of
 MAX_STR = 512                     # rids, client ids, names
 MAX_MESSAGE_STR = 1 << 16         # error messages
 MODES = ("async", "sync")

@@ -7,8 +7,8 @@ from typing import ClassVar, Optional
 
 import numpy as np
 
-from sglang_ssd.protocol.framing import (BACKUPS, MAX_BATCH, MAX_FAN_OUT, MAX_K, MAX_MESSAGE_STR, MAX_PROMPT_TOKENS,
-                                         MAX_VOCAB, MESSAGE_TYPES, MODES, Message, ProtocolError,
+from sglang_ssd.protocol.framing import (BACKUPS, MAX_BATCH, MAX_FAN_OUT, MAX_FEATURE_DIM, MAX_FEATURE_LAYERS, MAX_K,
+                                         MAX_MESSAGE_STR, MAX_PROMPT_TOKENS, MAX_VOCAB, MESSAGE_TYPES, MODES, Message, ProtocolError,
                                          _fail, _float, _float_list, _int, _int_list, _same_len, _stats, _str, _str_list)
 
 
@@ -58,11 +58,14 @@ class Hello(Message):
 @dataclass
 class HelloReply(Message):
     """``resumed``: the draft kept the session's requests, KV and cache (the same client repeated its
-    session's Hello); False = a fresh session, the worker must re-prefill its live requests."""
+    session's Hello); False = a fresh session, the worker must re-prefill its live requests.
+    ``feature_layers``: the target layers whose outputs the draft conditions on (an EAGLE-3 head: HF
+    ``hidden_states[id + 1]`` of each id, concatenated, ``feature_dim`` wide); empty = a standalone
+    draft, which needs no features.  The worker then sends them with every Speculate."""
 
     TYPE: ClassVar[str] = "hello_reply"
     HEADER: ClassVar = ("version", "draft_vocab_size", "draft_model_name", "pid", "device", "dtype", "max_batch",
-                        "resumed")
+                        "resumed", "feature_layers", "feature_dim")
     version: int
     draft_vocab_size: int
     draft_model_name: str
@@ -71,6 +74,8 @@ class HelloReply(Message):
     dtype: str = "float32"
     max_batch: int = MAX_BATCH
     resumed: bool = False
+    feature_layers: list[int] = field(default_factory=list)
+    feature_dim: int = 0
 
     def validate(self):
         self.version = _int(self.version, "version", 0, 1 << 30)
@@ -81,6 +86,10 @@ class HelloReply(Message):
         self.max_batch = _int(self.max_batch, "max_batch", 1, 1 << 20)
         if not isinstance(self.resumed, bool):
             raise _fail("resumed", "must be a bool")
+        self.feature_layers = _int_list(self.feature_layers, "feature_layers", MAX_FEATURE_LAYERS, 0, 1 << 20)
+        self.feature_dim = _int(self.feature_dim, "feature_dim", 0, MAX_FEATURE_DIM)
+        if bool(self.feature_layers) != (self.feature_dim > 0):
+            raise _fail("feature_dim", "must be > 0 exactly when feature_layers are named")
 
 
 @dataclass
@@ -142,16 +151,25 @@ class Prefill(Message):
 @dataclass
 class Speculate(Message):
     """One decode round.  Row i: rid ``rids[i]`` accepted ``ks[i]`` tokens of the last speculation
-    (-1: there was none) followed by ``bonuses[i]``; reply with K drafts after that new context."""
+    (-1: there was none) followed by ``bonuses[i]``; reply with K drafts after that new context.
+
+    For a draft that asked for target features (HelloReply.feature_layers): row i brings
+    ``feat_lens[i]`` of them, for the committed positions ``feat_starts[i]`` .. + feat_lens[i] - 1 (the
+    target's verify or prefill computed them; the newest bonus token has none yet), stacked in row
+    order in ``features`` [sum(feat_lens), F] float16.  Empty arrays for a standalone draft."""
 
     TYPE: ClassVar[str] = "speculate"
     HEADER: ClassVar = ("round_id", "rids")
-    ARRAYS: ClassVar = {"ks": ("<i8", 1), "bonuses": ("<i8", 1), "temperatures": ("<f8", 1)}
+    ARRAYS: ClassVar = {"ks": ("<i8", 1), "bonuses": ("<i8", 1), "temperatures": ("<f8", 1),
+                        "feat_starts": ("<i8", 1), "feat_lens": ("<i8", 1), "features": ("<f2", 2)}
     round_id: int
     rids: list[str]
     ks: list[int]
     bonuses: list[int]
     temperatures: list[float]
+    feat_starts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    feat_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    features: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.float16))
 
     def validate(self):
         self.round_id = _int(self.round_id, "round_id", 0, 1 << 62)
@@ -160,6 +178,25 @@ class Speculate(Message):
         self.ks = _int_list(self.ks, "ks", MAX_BATCH, -1, MAX_K)
         self.bonuses = _int_list(self.bonuses, "bonuses", MAX_BATCH, 0, MAX_VOCAB - 1)
         self.temperatures = _float_list(self.temperatures, "temperatures")
+        self.feat_starts = np.asarray(self.feat_starts, dtype=np.int64).reshape(-1)
+        self.feat_lens = np.asarray(self.feat_lens, dtype=np.int64).reshape(-1)
+        self.features = np.asarray(self.features, dtype=np.float16)
+        if self.features.ndim != 2 or self.features.shape[1] > MAX_FEATURE_DIM:
+            raise _fail("features", f"must be [rows, F <= {MAX_FEATURE_DIM}], got shape {self.features.shape}")
+        if not len(self.feat_lens) and not len(self.feat_starts) and not self.features.shape[0]:
+            return  # no features (a standalone draft)
+        _same_len("rids", len(self.rids), feat_starts=self.feat_starts, feat_lens=self.feat_lens)
+        if (self.feat_lens < 0).any() or (self.feat_starts < 0).any() or (self.feat_starts > MAX_PROMPT_TOKENS).any():
+            raise _fail("feat_lens", "feature starts and lengths must be >= 0")
+        if int(self.feat_lens.sum()) != self.features.shape[0]:
+            raise _fail("features", f"{self.features.shape[0]} rows != sum(feat_lens) {int(self.feat_lens.sum())}")
+
+    def features_of(self, row: int) -> tuple[int, np.ndarray]:
+        """-> (first position, float16 [feat_lens[row], F]) of row ``row``; (0, empty) without features."""
+        if not len(self.feat_lens):
+            return 0, self.features[:0]
+        off = int(self.feat_lens[:row].sum())
+        return int(self.feat_starts[row]), self.features[off: off + int(self.feat_lens[row])]
 
 
 @dataclass

@@ -33,6 +33,7 @@ from sglang_ssd.config import SaguaroConfig, check_saguaro_c, resolve_backup, re
 from sglang_ssd.protocol import Ack, SpecReply
 from sglang_ssd.sglang import early_prefill
 from sglang_ssd.sglang.link_state import UNKNOWN, LinkStats, Proposal, _Late, _ReqState, reply_q16
+from sglang_ssd.sglang.target_features import TargetFeatures
 
 __all__ = ["DraftLink", "LinkStats", "Proposal"]
 
@@ -76,6 +77,7 @@ class DraftLink:
         self._inflight: Optional[tuple] = None  # (kind, rids, knowns, round_id) of the call under way
         self._wait_ema = 0.0  # recent draft reply time (s), successful rounds only
         self.client_id = uuid.uuid4().hex  # stable across reconnects: the draft knows its owner by it
+        self.features = TargetFeatures()  # an EAGLE-3 draft's target features, until sent
         self._next_retry = 0.0
         self._backoff = 1.0
         self.endpoint = cfg.draft_endpoint or f"ipc://{tempfile.gettempdir()}/sglang-ssd-{uuid.uuid4().hex[:12]}.sock"
@@ -90,6 +92,8 @@ class DraftLink:
         cmd = [sys.executable, "-m", "sglang_ssd.draft", "--model", self.cfg.draft_model_path,
                "--device", self.cfg.draft_device, "--bind", self.endpoint,
                "--dtype", self.cfg.draft_dtype, "--threads", str(self.cfg.draft_threads)]
+        if self.cfg.target_model_path:  # an EAGLE-3 head reads the target's embedding and layer count
+            cmd += ["--target-model", self.cfg.target_model_path]
         core = self.cfg.draft_cpu_core
         if core is None and self.cfg.draft_device == "cpu" and (os.cpu_count() or 1) > 1:
             core = (os.cpu_count() or 1) - 1
@@ -130,6 +134,7 @@ class DraftLink:
                     time.sleep(0.5)
             logger.info("saguaro: draft ready at %s (%s)", self.endpoint, info)
             self._late = None  # a new socket: no reply to the old one will arrive
+            self.features.configure(info.feature_layers, info.feature_dim)
             if not info.resumed:  # a fresh session: the draft holds nothing of ours
                 self.states.clear()
             self._backoff = 1.0
@@ -277,7 +282,8 @@ class DraftLink:
             # deadline (and one more wait for its late reply), then rounds decode target-only at once
             self._inflight = ("speculate", rids, knowns, self.round_id)
             reply = self.client.speculate(self.round_id, rids, ks, bonuses, temperatures,
-                                          timeout_s=self._deadline())
+                                          timeout_s=self._deadline(),
+                                          features=self.features.take(rids) if self.features.enabled else None)
             tokens, max_accept = usable_drafts(
                 torch.as_tensor(reply.tokens, dtype=torch.int64).reshape(bs, self.k), self.vocab_size)
             q_rows = torch.as_tensor(reply.q_rows, dtype=torch.int64)
@@ -341,6 +347,7 @@ class DraftLink:
             self.client.release(gone, timeout_s=self.cfg.round_deadline_s)
             for rid in gone:
                 del self.states[rid]
+            self.features.drop(gone)
             self._inflight = None
 
     def prefill_early(self, reqs, temperatures: list[float]) -> int:
@@ -358,6 +365,7 @@ class DraftLink:
     def release(self, rids: list[str]) -> None:
         """Finished requests.  With the link down or a late reply outstanding their entries stay, and
         a later round releases them (``_release_departed``)."""
+        self.features.drop(rids)
         rids = [r for r in rids if r in self.states]
         if not rids or not self.client_ok:
             return

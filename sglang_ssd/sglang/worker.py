@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.managers.utils import GenerationBatchResult
-from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
@@ -33,6 +33,7 @@ from sglang_ssd.sglang import early_prefill
 from sglang_ssd.sglang.draft_link import DraftLink
 from sglang_ssd.sglang.grammar import mask_chain_logits
 from sglang_ssd.sglang.metrics import SaguaroMetrics
+from sglang_ssd.sglang.target_features import enable_capture
 from sglang_ssd.sglang.verify_input import build_chain_verify_input, verify_reads_mask
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,11 @@ class SaguaroWorker(BaseSpecWorker):
                                                           target_gpus(server_args, gpu_id), n_gpus)
         (logger.warning if "SHARES" in why else logger.info)("saguaro draft device %s: %s", self.cfg.draft_device, why)
         self.link = DraftLink(self.cfg, self.vocab_size, eos_ids, device=self.device)
+        self.features = self.link.features  # an EAGLE-3 draft: the target's features go with each Speculate
+        # the target's forwards capture hidden states only for such a draft (FULL: every position run)
+        self.capture = CaptureHiddenMode.FULL if self.features.enabled else None
+        if self.features.enabled:
+            enable_capture(self.model_runner.model, self.features.layers, self.features.dim)
         self.metrics = SaguaroMetrics.maybe(server_args)  # --enable-metrics: saguaro's series on /metrics
         atexit.register(self.link.close)
         seed = server_args.random_seed if server_args.random_seed is not None else 0
@@ -113,7 +119,10 @@ class SaguaroWorker(BaseSpecWorker):
         async mode, builds round 0's speculations), so the first decode round need not wait for it."""
         if self.cfg.early_prefill:
             self.link.prefill_early(batch.reqs, self._draft_temps(batch.sampling_info)[2].tolist())
-        result = self._target_worker.forward_batch_generation(batch)
+        result = self._target_worker.forward_batch_generation(batch, capture_hidden_mode=self.capture)
+        if self.capture is not None:  # the prompt positions this forward ran (a chunk of a long prompt)
+            self.features.from_prefill([r.rid for r in batch.reqs], list(batch.prefix_lens), list(batch.extend_lens),
+                                       result.logits_output.hidden_states)
         if self.cfg.early_prefill:
             self.link.settle_early()
             done = early_prefill.finished_at_prefill(batch.reqs, result.next_token_ids.tolist(), self.link.eos_ids)
@@ -155,7 +164,7 @@ class SaguaroWorker(BaseSpecWorker):
                                                    seq_lens_cpu=getattr(batch, "seq_lens_cpu", None))
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         t_verify = time.perf_counter()
-        result = self._target_worker.forward_batch_generation(batch, is_verify=True)
+        result = self._target_worker.forward_batch_generation(batch, is_verify=True, capture_hidden_mode=self.capture)
         # constrained requests: row j masked by the grammar after d_1..d_j, in place (logprobs see it too)
         mask_chain_logits(batch, chain_host, result.logits_output.next_token_logits, grammar_barrier)
         logits = self._adjust_logits(result.logits_output.next_token_logits, info)[:, : self.vocab_size]
@@ -181,6 +190,9 @@ class SaguaroWorker(BaseSpecWorker):
                 max_accept=prop.max_accept.to(self.device), q_valid=prop.q_valid.to(self.device),
             )
         accept_lens = accept_lens.to(torch.int32)
+        if self.capture is not None:  # features of the committed positions (root + accepted drafts)
+            self.features.from_verify([r.rid for r in reqs], seq_lens.tolist(), accept_lens.tolist(),
+                                      result.logits_output.hidden_states, n)
         t_end = time.perf_counter()
         self.link.record(accept_lens.tolist(), verify_s=t_accept - t_verify, accept_s=t_end - t_accept,
                          t_start=t_start, t_end=t_end, hits=prop.hit.tolist())

@@ -18,7 +18,8 @@ and backup rounds mix; every sample is kept.  Path "hitfast": top-2 fan-out in a
 (the CPU default), so cache hits and n-gram / random-token misses mix; every sample is kept.  Path "hybrid":
 sync mode with the hybrid backup (one draft-model token, then n-gram copies) and the reduced-head draft, so the
 first position's q travels over the head's ids scattered to V next to one-hot / uniform tail rows; "hithybrid":
-as "hitfast" with the hybrid backup.
+as "hitfast" with the hybrid backup.  Paths "eaglehit" / "eaglebackup": as "hit" / "backup" with a tiny EAGLE-3
+head, every Speculate carrying "target features" for the positions committed since the last one.
 For each x1, the counts of (x2, x3) are compared with the exact target law by enumeration (G-test, cells
 with expected count < 5 pooled); the G statistics and degrees of freedom add up over x1.  Seeds are fixed.
 Negative controls: the same test must reject a verifier that uses the unmodified q with Saguaro sampling,
@@ -42,7 +43,7 @@ from sglang_ssd.saguaro.proposal import dequantize_proposal
 from sglang_ssd.saguaro.target_dist import target_probs
 from sglang_ssd.saguaro.verify import verify_chain
 from sglang_ssd.sglang.link_state import reply_q16
-from tests.tiny_models import make_reduced_head_model, make_tiny_model
+from tests.tiny_models import make_reduced_head_model, make_tiny_eagle3, make_tiny_model
 
 V, K = 8, 2
 PROMPT = [3, 5, 2, 6]
@@ -56,7 +57,26 @@ def pair():
     target = DraftRunner.from_dir(make_tiny_model(vocab_size=V, seed=21, std=0.2))
     draft = DraftRunner.from_dir(make_tiny_model(vocab_size=V, seed=22, std=0.2))
     reduced = DraftRunner.from_dir(make_reduced_head_model(REDUCED_HEAD, vocab_size=V, seed=22, std=0.2))
-    return target, draft, reduced
+    eagle = DraftRunner.from_dir(make_tiny_eagle3(vocab_size=V, seed=23))
+    return target, draft, reduced, eagle
+
+
+# an EAGLE-3 draft's "target features": fixed random rows per position (what they are cannot matter to
+# exactness; that they reach the draft and change its proposals is test_eagle3_draft's concern)
+AUX = torch.randn(64, 3 * 12, generator=torch.Generator().manual_seed(5)).half().numpy()
+
+
+def _spec(rnd, rids, ks, bonuses, temps, eagle, fed=None, ctx_len=None):
+    """A Speculate; for the EAGLE-3 draft with the features of positions fed[r] .. ctx_len[r] - 2."""
+    if not eagle:
+        return Speculate(rnd, rids, ks, bonuses, temps)
+    starts = [fed[r] for r in rids]
+    lens = [ctx_len[r] - 1 - fed[r] for r in rids]
+    rows = np.concatenate([AUX[a: a + m] for a, m in zip(starts, lens)])
+    for r in rids:
+        fed[r] = ctx_len[r] - 1
+    return Speculate(rnd, rids, ks, bonuses, temps, feat_starts=np.asarray(starts), feat_lens=np.asarray(lens),
+                     features=rows)
 
 
 REDUCED_HEAD = [6, 0, 3, 1, 7, 4]  # unsorted on purpose: the runner sorts its columns by id
@@ -84,8 +104,9 @@ def exact_conditional(target, temp: float) -> torch.Tensor:
 
 def run(pair, path: str, temp: float, seed: int, broken: str = "") -> tuple[torch.Tensor, float]:
     """-> counts [V, V, V] of (x1, x2, x3) over the kept samples, and the fraction of rounds that hit."""
-    target, draft = pair[0], pair[2] if path in ("reduced", "hybrid") else pair[1]
-    mode = "sync" if path in ("backup", "fast", "hybrid") else "async"
+    eagle = path.startswith("eagle")
+    target, draft = pair[0], pair[3] if eagle else pair[2] if path in ("reduced", "hybrid") else pair[1]
+    mode = "sync" if path in ("backup", "fast", "hybrid", "eaglebackup") else "async"
     full = [V] * (K + 1)                 # every outcome cached (forks cap at V - 1 where s_{j+1} is excluded)
     c = 0.5 if path == "saguaro" else 1.0
     if path in ("saguaro", "hitfast", "hithybrid"):   # sigma needs F < V: top-2 cached, so hits and backups mix
@@ -100,7 +121,9 @@ def run(pair, path: str, temp: float, seed: int, broken: str = "") -> tuple[torc
     e.prefill(Prefill(rids, [PROMPT[:-1]] * N, [temp] * N, [c] * N))
     g = torch.Generator().manual_seed(seed + 7919)  # the verifier's randomness is independent of the draft's
     rnd = 0
-    first = e.speculate(Speculate(rnd, rids, [-1] * N, [PROMPT[-1]] * N, [temp] * N))
+    fed = {r: 0 for r in rids}  # EAGLE-3: positions whose features the draft has
+    first = e.speculate(_spec(rnd, rids, [-1] * N, [PROMPT[-1]] * N, [temp] * N, eagle, fed,
+                              {r: len(PROMPT) for r in rids}))
     s1 = first.tokens[:, 0].tolist()
     if mode == "async":
         e.build_cache()
@@ -112,8 +135,8 @@ def run(pair, path: str, temp: float, seed: int, broken: str = "") -> tuple[torc
     missed = set()
     while live:
         rnd += 1
-        reply = e.speculate(Speculate(rnd, live, [outcome[r][0] for r in live], [outcome[r][1] for r in live],
-                                      [temp] * len(live)))
+        reply = e.speculate(_spec(rnd, live, [outcome[r][0] for r in live], [outcome[r][1] for r in live],
+                                  [temp] * len(live), eagle, fed, {r: len(ctx[r]) for r in live}))
         if mode == "async":
             e.build_cache()
         missed.update(r for r, h in zip(live, reply.hit) if not h)
@@ -157,7 +180,8 @@ def run(pair, path: str, temp: float, seed: int, broken: str = "") -> tuple[torc
         assert e.stats.builds_cut == e.stats.builds and hits > 0
     assert path not in ("hitfast", "hybrid", "hithybrid") or fast_rows > 0
     assert "hybrid" not in path or e.backups.rows["hybrid"] == fast_rows + N  # + the first round's N
-    pure = path in ("hit", "cut")
+    assert not eagle or e.stats.feature_rows > N * len(PROMPT)
+    pure = path in ("hit", "cut", "eaglehit")
     # hit path: only step 3 can miss, and only through the odd outcome x1 == s1 (conditions on x1 only)
     assert not pure or (late_misses == 0 and missed == {r for r, a, b in zip(rids, x1, s1) if a == b})
     keep = [r for r in rids if not pure or r not in missed]
@@ -198,14 +222,15 @@ def chi2_sf(x: float, k: int) -> float:
                                          ("saguaro", 1.0), ("saguaro", 0.7), ("hitfast", 1.0), ("hitfast", 0.7),
                                          ("cut", 1.0), ("cut", 0.7), ("hybrid", 1.0), ("hybrid", 0.7),
                                          ("hithybrid", 1.0),
-                                         ("reduced", 1.0), ("reduced", 0.7)])
+                                         ("reduced", 1.0), ("reduced", 0.7),
+                                         ("eaglehit", 1.0), ("eaglehit", 0.7), ("eaglebackup", 1.0)])
 def test_output_law_is_the_targets(pair, path, temp):
     # hybrid: seed 7 draws a G-test p of 4e-4 at N = 4000 (P_MIN's false alarm); at N = 16000 seeds 7, 8, 9
     # give p = 0.24, 0.98, 0.23 (and the neural backup 0.37, 0.40, 0.62), so its tests run seed 8
     counts, hit_rate = run(pair, path, temp, seed=8 if "hybrid" in path else 7)
-    if path in ("backup", "fast", "hybrid"):
+    if path in ("backup", "fast", "hybrid", "eaglebackup"):
         assert hit_rate == 0.0
-    elif path in ("hit", "cut"):
+    elif path in ("hit", "cut", "eaglehit"):
         assert hit_rate > 0.85, hit_rate    # the path under test really is the cache
     elif path == "reduced":
         assert 0.15 < hit_rate < 0.98, hit_rate  # bonuses outside the head miss

@@ -136,6 +136,49 @@ def greedy_reference(runner, context: list[int], n: int) -> list[int]:
     return out
 
 
+def _eagle3_files(out_dir: str, w: dict, d: int, heads: int, kv: int, hd: int, ff: int, vocab: int,
+                  draft_vocab: int, target_hidden: int, rms_eps: float = 1e-5, rope_theta: float = 10000.0,
+                  max_pos: int = 8192) -> str:
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": d,
+           "intermediate_size": ff, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
+           "num_hidden_layers": 1, "rms_norm_eps": rms_eps, "rope_theta": rope_theta, "vocab_size": vocab,
+           "draft_vocab_size": draft_vocab, "target_hidden_size": target_hidden, "tie_word_embeddings": False,
+           "hidden_act": "silu", "max_position_embeddings": max_pos,
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as fh:
+        json.dump(cfg, fh)
+    save_file({k: v.contiguous() for k, v in w.items()}, os.path.join(out_dir, "model.safetensors"))
+    return out_dir
+
+
+def _eagle3_weights(g, d, heads, kv, hd, ff, vocab, hot, target_hidden, std, lm_head):
+    def r(*shape):
+        return torch.randn(*shape, generator=g) * std
+
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[hot] = True
+    return {"fc.weight": r(d, 3 * target_hidden), "norm.weight": torch.ones(d), "lm_head.weight": lm_head,
+            "d2t": hot - torch.arange(len(hot)), "t2d": t2d,
+            "midlayer.hidden_norm.weight": torch.ones(d), "midlayer.input_layernorm.weight": torch.ones(d),
+            "midlayer.post_attention_layernorm.weight": torch.ones(d),
+            "midlayer.self_attn.q_proj.weight": r(heads * hd, 2 * d), "midlayer.self_attn.k_proj.weight": r(kv * hd, 2 * d),
+            "midlayer.self_attn.v_proj.weight": r(kv * hd, 2 * d), "midlayer.self_attn.o_proj.weight": r(d, heads * hd),
+            "midlayer.mlp.gate_proj.weight": r(ff, d), "midlayer.mlp.up_proj.weight": r(ff, d),
+            "midlayer.mlp.down_proj.weight": r(d, ff)}
+
+
+def make_tiny_eagle3(vocab_size: int = 8, seed: int = 0, std: float = 0.3, target_hidden: int = 12) -> str:
+    """A tiny random EAGLE-3 head (own embedding, full draft vocabulary, features of 3 x target_hidden)."""
+    g = torch.Generator().manual_seed(seed)
+    d, heads, kv, hd, ff = 16, 2, 1, 8, 32
+    w = _eagle3_weights(g, d, heads, kv, hd, ff, vocab_size, torch.arange(vocab_size), target_hidden, std,
+                        torch.randn(vocab_size, d, generator=g))
+    w["embed_tokens.weight"] = torch.randn(vocab_size, d, generator=g)
+    return _eagle3_files(os.path.join(_root(), f"eagle3-v{vocab_size}-s{seed}"), w, d, heads, kv, hd, ff,
+                         vocab_size, vocab_size, target_hidden)
+
+
 def make_eagle3_head(target_dir: str, out_dir: str, seed: int = 0, draft_vocab: int = 8192,
                      std: float = 0.05) -> str:
     """A random EAGLE-3 head for a real target in SpecForge's published layout: one ``midlayer``, ``fc``
@@ -150,31 +193,16 @@ def make_eagle3_head(target_dir: str, out_dir: str, seed: int = 0, draft_vocab: 
     d, heads, kv = t["hidden_size"], t["num_attention_heads"], t["num_key_value_heads"]
     hd, ff, vocab = t.get("head_dim") or d // heads, t["intermediate_size"], t["vocab_size"]
     g = torch.Generator().manual_seed(seed)
-
-    def r(*shape):
-        return torch.randn(*shape, generator=g) * std
-
     hot = torch.sort(torch.randperm(vocab, generator=g)[:draft_vocab]).values
     with safe_open(os.path.join(target_dir, "model.safetensors"), framework="pt") as sf:
         embed = sf.get_tensor("model.embed_tokens.weight").float()
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[hot] = True
-    w = {"fc.weight": r(d, 3 * d), "norm.weight": torch.ones(d), "lm_head.weight": embed[hot].clone(),
-         "d2t": hot - torch.arange(draft_vocab), "t2d": t2d,
-         "midlayer.hidden_norm.weight": torch.ones(d), "midlayer.input_layernorm.weight": torch.ones(d),
-         "midlayer.post_attention_layernorm.weight": torch.ones(d),
-         "midlayer.self_attn.q_proj.weight": r(heads * hd, 2 * d), "midlayer.self_attn.k_proj.weight": r(kv * hd, 2 * d),
-         "midlayer.self_attn.v_proj.weight": r(kv * hd, 2 * d), "midlayer.self_attn.o_proj.weight": r(d, heads * hd),
-         "midlayer.mlp.gate_proj.weight": r(ff, d), "midlayer.mlp.up_proj.weight": r(ff, d),
-         "midlayer.mlp.down_proj.weight": r(d, ff)}
-    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": d,
-           "intermediate_size": ff, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
-           "num_hidden_layers": 1, "rms_norm_eps": t.get("rms_norm_eps", 1e-5),
-           "rope_theta": t.get("rope_theta", 10000.0), "vocab_size": vocab, "draft_vocab_size": draft_vocab,
-           "target_hidden_size": d, "tie_word_embeddings": False, "hidden_act": "silu",
-           "max_position_embeddings": t.get("max_position_embeddings", 8192)}
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "config.json"), "w") as fh:
+    w = _eagle3_weights(g, d, heads, kv, hd, ff, vocab, hot, d, std, embed[hot].clone())
+    n = t["num_hidden_layers"]
+    out = _eagle3_files(out_dir, w, d, heads, kv, hd, ff, vocab, draft_vocab, d, t.get("rms_norm_eps", 1e-5),
+                        t.get("rope_theta", 10000.0), t.get("max_position_embeddings", 8192))
+    with open(os.path.join(out, "config.json")) as fh:  # SGLang's default capture points, as SpecForge writes them
+        cfg = json.load(fh)
+    cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [1, n // 2 - 1, n - 4]}
+    with open(os.path.join(out, "config.json"), "w") as fh:
         json.dump(cfg, fh)
-    save_file({k: v.contiguous() for k, v in w.items()}, os.path.join(out_dir, "model.safetensors"))
-    return out_dir
+    return out

@@ -9,6 +9,8 @@ One decode round, in order (see ``_decode``):
   4. hand SGLang accept_lens (incl. the bonus) and the committed tokens.
 While the target runs step 2, the draft (in its own process) pre-computes the next round's
 speculations for the outcomes it expects: that is what takes drafting off the critical path.
+For an EAGLE-3 draft the target's forwards also capture its hidden states at the draft's layers; the
+committed positions' rows go to the draft with the next round's outcome (target_features.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 Each variant is one server (target on core 0, draft on core 1, as scripts/bench_cpu.py), measured on the same
 prompts, batch sizes and temperatures, so a hot-path change or a setting reports before/after ratios from one run.
 A variant is a name, a mode (ar / sd / ssd), an optional draft directory ("draft"; default the prepared
-trained draft), optional SGLANG_SSD_CONFIG overrides ("config"), environment
+trained draft), an optional K ("k"; default --k), optional SGLANG_SSD_CONFIG overrides ("config"), environment
 variables for its server and draft ("env"), an optional target dtype and
 an optional "tree": a checkout whose sglang_ssd the variant's server and draft run (PYTHONPATH), for a
 before/after of two commits in one run (e.g. `git worktree add /tmp/before <rev>`):
@@ -47,6 +47,7 @@ COLUMNS = ("tok_s", "accept_len", "e_hit", "e_miss", "hit_rate", "wait_ms", "dra
 
 
 def server(v: dict, k: int, workdir: str) -> SGLangServer:
+    k = int(v.get("k", k))  # a variant may speculate a different K
     extra = ["--dtype", v.get("target_dtype", "float32"), "--max-running-requests", "8"]
     env, name = {}, v["name"]
     endpoint, stats = f"ipc://{workdir}/{name}.sock", os.path.join(workdir, f"{name}.json")

@@ -83,9 +83,29 @@ def test_hooks_route_sglang_matmuls_on_the_cpu_engine_only(cpu_engine):
     """In a fresh process (hooks patch SGLang's classes for good): with SGLANG_USE_CPU_ENGINE=1 the plugin
     routes a 4-row UnquantizedLinearMethod.apply and the plain lm-head product through the W @ x^T product
     (a spy counts the calls), 1- and 8-row calls stay F.linear; without the CPU engine nothing is rerouted."""
-    env = dict(os.environ, SGLANG_USE_CPU_ENGINE=cpu_engine)
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE=cpu_engine, SGLANG_SSD_SMALL_M_ROUTE="wxt")  # not timing-dependent
     env.pop("SGLANG_SSD_SMALL_M_LINEAR", None)
     out = subprocess.run([sys.executable, "-c", HOOK_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("ROUTED")][-1]
     assert line == ("ROUTED [4, 4]" if cpu_engine == "1" else "ROUTED []"), line
+
+
+def test_measured_route_follows_the_faster_form_once_per_shape(monkeypatch):
+    """Route "measure": the first call of a (shape, M) times both forms and keeps the faster (W @ x^T only
+    when >= 10% faster); later calls of that shape do not time again; other routes are fixed."""
+    from sglang_ssd.cpu import small_m_linear as sm
+
+    timed = []
+    cost = {"linear": 1.0, "wxt": 0.5}
+    monkeypatch.setattr(sm, "_best_time", lambda label, fn: (timed.append(label), cost[label])[1])
+    monkeypatch.setattr(sm, "_CHOICE", {})
+    w, x4, x3 = torch.randn(24, 16), torch.randn(4, 16), torch.randn(3, 16)
+    assert sm.prefer_wxt(x4, w, "measure") and timed == ["linear", "wxt"]
+    assert sm.prefer_wxt(x4, w, "measure") and len(timed) == 2  # kept: no second timing
+    cost["wxt"] = 0.95  # not 10% faster: F.linear
+    assert not sm.prefer_wxt(x3, w, "measure") and len(timed) == 4
+    assert sm.prefer_wxt(x3, w, "wxt") and not sm.prefer_wxt(x4, w, "linear") and len(timed) == 4
+    assert sm.route({}) == "measure" and sm.route({"SGLANG_SSD_SMALL_M_ROUTE": "WXT"}) == "wxt"
+    with pytest.raises(ValueError, match="SMALL_M_ROUTE"):
+        sm.route({"SGLANG_SSD_SMALL_M_ROUTE": "fast"})

@@ -9,14 +9,25 @@ rows as columns) cost 1.23-1.36x, and are no better or slower from M = 6 on (res
 scripts/bench_small_m.py).  Through the server this cut a b = 1 chain verify from ~240 to ~160 ms
 (results/variants_small_m_linear.md).
 
+On an Intel Xeon (AVX-512) core the same shapes behave the other way round: ``F.linear`` costs 1.07-1.15x
+for 2-3 rows and 1.86-1.94x for 4-5, the W @ x^T form 2.1-2.3x for every M >= 2 (results/small_m_linear.md).
+So the route is not fixed but **measured**: the first product of each (weight shape, M) times both forms
+on that very input (best of a few calls each, once per process, well under a second in all) and keeps
+W @ x^T only where it is at least 10% faster; every later call takes the kept route.
+
 Only float32 weights and inputs on CPU are rerouted (what was measured); any other case, and M outside
 [2, SMALL_M_MAX], calls ``F.linear`` unchanged.  The result is the same product up to float rounding
 (another summation order, as F.linear's own GEMM-vs-GEMV choice already is).
 
     SGLANG_SSD_SMALL_M_LINEAR   largest M to reroute (default 5; 0 or 1 = off)
+    SGLANG_SSD_SMALL_M_ROUTE    measure (default) | wxt (always W @ x^T, the earlier rule) | linear (never)
 """
 
 from __future__ import annotations
+
+import logging
+import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +35,47 @@ import torch.nn.functional as F
 from sglang_ssd.config import env_number
 
 ENV = "SGLANG_SSD_SMALL_M_LINEAR"
+ROUTE_ENV = "SGLANG_SSD_SMALL_M_ROUTE"
+ROUTES = ("measure", "wxt", "linear")
 DEFAULT_MAX_M = 5
+MEASURE_CALLS = 5   # timed calls of each form (after one warm-up call)
+MIN_GAIN = 0.9      # W @ x^T is kept only when it takes <= 90% of F.linear's time
+logger = logging.getLogger(__name__)
+_CHOICE: dict[tuple[int, int, int], bool] = {}  # (N, K, M) -> take W @ x^T
+
+
+def route(env=None) -> str:
+    r = (os.environ if env is None else env).get(ROUTE_ENV, "measure").strip().lower()
+    if r not in ROUTES:
+        raise ValueError(f"{ROUTE_ENV}={r!r}: expected one of {ROUTES}")
+    return r
+
+
+def _best_time(label: str, fn) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(MEASURE_CALLS):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def prefer_wxt(x: torch.Tensor, weight: torch.Tensor, mode: str) -> bool:
+    """For a call that ``applies``: take W @ x^T?  mode "measure": by the kept timing of this shape."""
+    if mode != "measure":
+        return mode == "wxt"
+    flat = x.reshape(-1, x.shape[-1])
+    key = (weight.shape[0], weight.shape[1], flat.shape[0])
+    choice = _CHOICE.get(key)
+    if choice is None:
+        with torch.no_grad():
+            t_lin = _best_time("linear", lambda: F.linear(flat, weight))
+            t_wxt = _best_time("wxt", lambda: torch.mm(weight, flat.t()))
+        choice = _CHOICE[key] = t_wxt <= MIN_GAIN * t_lin
+        logger.info("few-row linear [%d x %d] at M = %d: F.linear %.3f ms, W @ x^T %.3f ms -> %s", key[0], key[1],
+                    key[2], t_lin * 1e3, t_wxt * 1e3, "W @ x^T" if choice else "F.linear")
+    return choice
 
 
 def max_rows(env=None) -> int:

@@ -10,7 +10,8 @@ scripts/bench_small_m.py).  Through the server this cut a b = 1 chain verify fro
 (results/variants_small_m_linear.md).
 
 On an Intel Xeon (AVX-512) core the same shapes behave the other way round: ``F.linear`` costs 1.07-1.15x
-for 2-3 rows and 1.86-1.94x for 4-5, the W @ x^T form 2.1-2.3x for every M >= 2 (results/small_m_linear.md).
+for 2-3 rows and 1.86-1.94x for 4-5, the W @ x^T form 2.1-2.3x for every M >= 2
+(results/small_m_linear_xeon.md).
 So the route is not fixed but **measured**: the first product of each (weight shape, M) times both forms
 on that very input (best of a few calls each, once per process, well under a second in all) and keeps
 W @ x^T only where it is at least 10% faster; every later call takes the kept route.

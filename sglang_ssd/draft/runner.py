@@ -199,14 +199,10 @@ class DraftRunner:
 
     def new_kv(self, capacity: int = 64):
         """A request's KV: pool pages on the FlashInfer path, else its own RequestKV tensors."""
-        if self.pool is not None:
-            kv = self.pool.new_request(capacity)
-            if self.eagle:
-                kv.features = FeatureBuffer(self.cfg.hidden_size, self.dtype, self.device, capacity)
-            return kv
         c = self.cfg
-        kv = RequestKV(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, capacity)
-        if self.eagle:
+        kv = (self.pool.new_request(capacity) if self.pool is not None else
+              RequestKV(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, capacity))
+        if self.eagle:  # each slot's feature beside its KV
             kv.features = FeatureBuffer(c.hidden_size, self.dtype, self.device, capacity)
         return kv
 

@@ -52,8 +52,7 @@ class RequestState:
     # --- bookkeeping around forwards -------------------------------------------------------
     def begin_write(self, start: int) -> None:
         """Slots >= start are about to be overwritten: forget them before the forward runs."""
-        del self.written[start:]
-        self.kv_valid = min(self.kv_valid, start)
+        self.invalidate_from(start)
 
     def invalidate_from(self, slot: int) -> None:
         """Slots >= slot must be computed again (an EAGLE-3 draft got the target's features for the

@@ -42,18 +42,18 @@ from sglang_ssd.serving import SGLangServer  # noqa: E402
 
 log = logging.getLogger("bench_variants")
 RESULTS = HERE.parent / "results"
-COLUMNS = ("tok_s", "accept_len", "e_hit", "e_miss", "hit_rate", "wait_ms", "draft_answer_ms", "verify_ms", "sched_gap_ms",
+COLUMNS = ("k", "tok_s", "accept_len", "e_hit", "e_miss", "hit_rate", "wait_ms", "draft_answer_ms", "verify_ms", "sched_gap_ms",
            "build_ms", "resets", "deadline_misses")
 
 
 def server(v: dict, k: int, workdir: str) -> SGLangServer:
-    k = int(v.get("k", k))  # a variant may speculate a different K
+    k = v.get("k", k)  # a variant may speculate a different K; "auto": no flag, the plugin measures and picks
     extra = ["--dtype", v.get("target_dtype", "float32"), "--max-running-requests", "8"]
     env, name = {}, v["name"]
     endpoint, stats = f"ipc://{workdir}/{name}.sock", os.path.join(workdir, f"{name}.json")
     if v["mode"] != "ar":
-        extra += ["--speculative-algorithm", "saguaro", "--speculative-draft-model-path", v.get("draft", paths.draft_path()),
-                  "--speculative-num-steps", str(k)]
+        extra += ["--speculative-algorithm", "saguaro", "--speculative-draft-model-path", v.get("draft", paths.draft_path())]
+        extra += [] if k == "auto" else ["--speculative-num-steps", str(int(k))]
         cfg = {"mode": "sync" if v["mode"] == "sd" else "async", "fan_out": 4, "draft_endpoint": endpoint,
                "stats_file": stats, "stats_interval": 100000, **v.get("config", {})}
         env["SGLANG_SSD_CONFIG"] = json.dumps(cfg)
@@ -165,6 +165,8 @@ def main(argv=None) -> int:
                         _signal(servers[v["name"]], signal.SIGCONT)
                         time.sleep(1.0)
                         r = run_cell(servers[v["name"]], c, [encode_prompt(tok, p) for p in items], args.tokens)
+                        if os.path.exists(servers[v["name"]].stats_path):  # the K the server ran (auto: chosen)
+                            r["k"] = json.load(open(servers[v["name"]].stats_path)).get("k")
                         _signal(servers[v["name"]], signal.SIGSTOP)
                         state["cells"][f"{v['name']}|{t}|{b}|{rep}"] = {**c, "variant": v["name"], **r}
                         log.info("rep %d %s T=%g b=%d: %.2f tok/s", rep, v["name"], t, b, r["tok_s"])

@@ -105,6 +105,8 @@ class SaguaroConfig:
     round_deadline_s: float = 1.0
     startup_timeout_s: Optional[float] = None  # draft_startup_timeout()
     stats_interval: int = 50
+    auto_k: bool = True  # CPU engine, no --speculative-num-steps: K from measured verify costs (spec_algo.default_k)
+    alpha_prior: float = 0.5  # the acceptance auto_k assumes (the default SmolLM2 draft: ~0.43 held out)
     stats_file: Optional[str] = None
 
     # ---- construction -------------------------------------------------------------------
@@ -179,6 +181,11 @@ class SaguaroConfig:
                 continue
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
                 raise SaguaroConfigError(f"{ENV_VAR} key {key!r} must be a positive number of seconds, got {v!r}")
+        if not isinstance(self.auto_k, bool):
+            raise SaguaroConfigError(f"{ENV_VAR} key 'auto_k' must be true or false")
+        if (not isinstance(self.alpha_prior, (int, float)) or isinstance(self.alpha_prior, bool)
+                or not 0.0 <= self.alpha_prior < 1.0):
+            raise SaguaroConfigError(f"{ENV_VAR} key 'alpha_prior' must be a number in [0, 1), got {self.alpha_prior!r}")
         if not isinstance(self.stats_interval, int) or self.stats_interval < 1:
             raise SaguaroConfigError(f"{ENV_VAR} key 'stats_interval' must be an integer >= 1")
         validate_draft_path(self.draft_model_path)

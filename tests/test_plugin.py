@@ -45,6 +45,8 @@ PROBE = textwrap.dedent("""
                                         v.disable_overlap_schedule, v.max_running_requests]})
         except Exception as exc:
             out["cases"].append({"error": f"{type(exc).__name__}: {exc}"})
+    from sglang_ssd.sglang import spec_algo
+    out["auto_k"] = spec_algo._AUTO_K
     print("RESULT " + json.dumps(out))
 """)
 
@@ -62,11 +64,17 @@ def probe(target_path, draft_path, tmp_path_factory):
         {"args": ["--speculative-algorithm", "SaGuArO", "--speculative-num-steps", "3"] + draft},
         {"args": ["--speculative-algorithm", "saguaro"]},
         {"args": ["--speculative-algorithm", "saguaro", "--speculative-draft-model-path", "/no/such/dir"]},
-        {"args": ["--speculative-algorithm", "saguaro", "--speculative-num-draft-tokens", "9"] + draft},
+        {"args": ["--speculative-algorithm", "saguaro", "--speculative-num-steps", "4",
+                  "--speculative-num-draft-tokens", "9"] + draft},
         {"args": ["--speculative-algorithm", "saguaro", "--speculative-num-steps", "40"] + draft},
         {"args": ["--speculative-algorithm", "saguaro"] + draft, "env": '{"mode": "turbo"}'},
-        {"args": ["--speculative-algorithm", "saguaro"] + draft, "env": '{"fan_out": [1, 2]}'},
+        {"args": ["--speculative-algorithm", "saguaro", "--speculative-num-steps", "3"] + draft,
+         "env": '{"fan_out": [1, 2]}'},
         {"args": ["--speculative-algorithm", "saguaro", "--speculative-draft-model-path", str(bad_vocab)]},
+        {"args": ["--speculative-algorithm", "saguaro"] + draft, "env": '{"auto_k": false}'},
+        {"args": ["--speculative-algorithm", "saguaro"] + draft, "env": '{"fan_out": [3, 2, 1]}'},
+        {"args": ["--speculative-algorithm", "saguaro"] + draft, "env": '{"alpha_prior": 1.5}'},
+        {"args": ["--speculative-algorithm", "saguaro", "--speculative-num-draft-tokens", "6"] + draft},
     ]
     env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1")
     proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(cases), target_path],
@@ -88,9 +96,15 @@ def test_dummy_verify_input_hooked_for_saguaro(probe):
     assert probe["dummy"] == ["ChainVerifyInput", 5, 1, 64]
 
 
-def test_server_args_defaults(probe):
-    assert probe["cases"][0] == {"ok": ["SAGUARO", 4, "xgrammar", 5, 1, True, 48]}
+def test_server_args_defaults(probe, target_path):
+    # CPU engine, no --speculative-num-steps: K measured on this CPU (spec_algo.default_k), once per launch
+    k = probe["auto_k"][target_path]
+    assert 1 <= k <= 5
+    assert probe["cases"][0] == {"ok": ["SAGUARO", k, "xgrammar", k + 1, 1, True, 48]}
     assert probe["cases"][1] == {"ok": ["SAGUARO", 3, "xgrammar", 4, 1, True, 48]}
+    assert probe["cases"][9] == {"ok": ["SAGUARO", 4, "xgrammar", 5, 1, True, 48]}   # auto_k false: DEFAULT_K
+    assert probe["cases"][10] == {"ok": ["SAGUARO", 2, "xgrammar", 3, 1, True, 48]}  # a fan_out list says K
+    assert probe["cases"][12] == {"ok": ["SAGUARO", 5, "xgrammar", 6, 1, True, 48]}  # so does the chain width
 
 
 @pytest.mark.parametrize("i,needle", [
@@ -101,6 +115,7 @@ def test_server_args_defaults(probe):
     (6, "SGLANG_SSD_CONFIG key 'mode'"),
     (7, "SGLANG_SSD_CONFIG key 'fan_out'"),
     (8, "draft vocab_size 1234 differs from the target's 49152"),
+    (11, "SGLANG_SSD_CONFIG key 'alpha_prior'"),
 ])
 def test_bad_settings_fail_with_clear_message(probe, i, needle):
     err = probe["cases"][i].get("error", "")

@@ -10,15 +10,19 @@ by default.
 from __future__ import annotations
 
 import logging
+import os
 
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
-from sglang_ssd.config import K_FLAG, SaguaroConfig, SaguaroConfigError
+from sglang_ssd.config import ENV_VAR, K_FLAG, SaguaroConfig, SaguaroConfigError, load_env_config
 
 logger = logging.getLogger(__name__)
 
 ALGO_NAME = "SAGUARO"
-DEFAULT_K = 4
+DEFAULT_K = 4  # GPU (or auto_k off): the verify of a few rows costs about one decode step there
+MAX_AUTO_K = 5
+STEP_OVERHEAD = 1.0  # the per-step rest of a CPU forward, x the one-row linears (Xeon: 35 vs 40 ms, AR step 75 ms)
+_AUTO_K: dict[str, int] = {}  # model path -> K chosen (the probe runs once per launch)
 DEFAULT_MAX_RUNNING_REQUESTS = 48
 
 
@@ -41,7 +45,7 @@ class SaguaroAlgo(CustomSpecAlgo):
         return False
 
     def handle_server_args(self, server_args) -> None:
-        k = server_args.speculative_num_steps or DEFAULT_K
+        k = resolved_k(server_args)
         n = server_args.speculative_num_draft_tokens
         if n is not None and n != k + 1:
             raise SaguaroConfigError(
@@ -68,6 +72,46 @@ class SaguaroAlgo(CustomSpecAlgo):
             server_args.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
 
 
+def resolved_k(server_args) -> int:
+    """K from --speculative-num-steps; else --speculative-num-draft-tokens - 1 (the chain width given);
+    else ``default_k``."""
+    n = getattr(server_args, "speculative_num_draft_tokens", None)
+    if server_args.speculative_num_steps:
+        return server_args.speculative_num_steps
+    return n - 1 if isinstance(n, int) and n >= 2 else default_k(server_args)
+
+
+def default_k(server_args, env=None) -> int:
+    """K when --speculative-num-steps is not given.  On the CPU engine: measured (the target's few-row linear
+    costs on this CPU, sglang_ssd/cpu/row_cost_probe.py) and chosen by the predicted speedup E(K) t(1) / t(K+1)
+    (sglang_ssd/saguaro/k_choice.py) with the config's alpha_prior; elsewhere, or with auto_k false, DEFAULT_K."""
+    env = os.environ if env is None else env
+    extra = load_env_config(env)
+    fan_out = extra.get("fan_out")
+    if isinstance(fan_out, list) and fan_out:
+        return len(fan_out) - 1  # a per-depth fan-out list already says K
+    if extra.get("auto_k", True) is not True or env.get("SGLANG_USE_CPU_ENGINE") != "1":
+        return DEFAULT_K
+    alpha = extra.get("alpha_prior", SaguaroConfig.alpha_prior)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0.0 <= alpha < 1.0:
+        raise SaguaroConfigError(f"{ENV_VAR} key 'alpha_prior' must be a number in [0, 1), got {alpha!r}")
+    path = str(getattr(server_args, "model_path", "") or "")
+    if path not in _AUTO_K:
+        from sglang_ssd.cpu.row_cost_probe import probe_target
+        from sglang_ssd.saguaro.k_choice import choose_k
+
+        costs = probe_target(path, range(1, MAX_AUTO_K + 2), env)
+        if costs is None:
+            _AUTO_K[path] = DEFAULT_K
+        else:
+            k, table = choose_k(costs, float(alpha), STEP_OVERHEAD * costs[1], MAX_AUTO_K)
+            logger.info("saguaro auto K = %d (%s not given): the target's linears over m rows cost %s ms on this "
+                        "CPU; predicted speedup by K at alpha %.2f: %s", k, K_FLAG,
+                        {m: round(c, 1) for m, c in costs.items()}, alpha, {j: round(v, 3) for j, v in table.items()})
+            _AUTO_K[path] = k
+    return _AUTO_K[path]
+
+
 def _cuda_target(server_args) -> bool:
     import torch
 
@@ -77,7 +121,7 @@ def _cuda_target(server_args) -> bool:
 def validate_server_args(server_args) -> None:
     """Runs at launch, before any process starts: parse and validate the whole saguaro config."""
     cfg = SaguaroConfig.from_sources(server_args.speculative_draft_model_path,
-                                     server_args.speculative_num_steps or DEFAULT_K)
+                                     resolved_k(server_args))
     if server_args.speculative_draft_model_path and server_args.model_path:
         from sglang_ssd.sglang.compat import check_draft_matches_target
 

@@ -31,6 +31,7 @@ import psutil
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_serving_cpu import client_env  # noqa: E402
+from bench_verify import cpu_name  # noqa: E402
 from sglang_ssd import paths  # noqa: E402
 from sglang_ssd.draft.client import DraftClient  # noqa: E402
 from sglang_ssd.serving import SGLangServer  # noqa: E402
@@ -92,7 +93,8 @@ class MemoryWatch(threading.Thread):
 def to_md(res: dict) -> str:
     n, w_ = res["requests_per_wave"] // 2, res["worker_stats"]
     L = ["# Load test of the saguaro server (issue 7)", "",
-         f"SGLang serving benchmark (sglang.benchmark.serving), CPU, SSD K = 3 fan-out 4; per wave "
+         f"SGLang serving benchmark (sglang.benchmark.serving), CPU ({res.get('cpu', '?')}), SSD K = "
+         f"{res['worker_stats'].get('k', res.get('k'))} fan-out 4; per wave "
          f"{2 * n} requests: {n} at T = 0 and {n} at T = 1.0 / top_p 0.95 from "
          f"two concurrent clients, total concurrency {res['concurrency']}, output lengths 8-64 tokens "
          f"(scripts/load_test.py). Draft RSS idle {res['draft_rss_idle_mb']:.0f} MB.", "",
@@ -118,6 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=100, help="per client per wave (two clients: T = 0 and T = 1)")
     ap.add_argument("--waves", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--k", type=int, default=0, help="drafts per round (0: the plugin measures and chooses)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -133,11 +136,12 @@ def main(argv=None) -> int:
         ref = serving_bench(srv.url, dataset, args.requests, half, greedy, 1, work / "ref.jsonl")
     endpoint = f"ipc://{work}/draft.sock"
     cfg = {"mode": "async", "fan_out": 4, "draft_endpoint": endpoint, "stats_file": str(work / "stats.json")}
-    res = {"requests_per_wave": 2 * args.requests, "waves": args.waves, "concurrency": args.concurrency,
+    res = {"cpu": cpu_name(), "k": args.k or "auto",
+           "requests_per_wave": 2 * args.requests, "waves": args.waves, "concurrency": args.concurrency,
            "reference": {k: ref[k] for k in ("completed", "output_throughput")}, "waves_detail": []}
     with SGLangServer(paths.target_path(), common + ["--speculative-algorithm", "saguaro",
-                                                     "--speculative-draft-model-path", paths.draft_path(),
-                                                     "--speculative-num-steps", "3"],
+                                                     "--speculative-draft-model-path", paths.draft_path()]
+                      + (["--speculative-num-steps", str(args.k)] if args.k else []),
                       env={"SGLANG_SSD_CONFIG": json.dumps(cfg)}, cpu_core=0,
                       log_path=str(work / "saguaro.log")) as srv:
         with DraftClient(endpoint, timeout_s=30) as client:

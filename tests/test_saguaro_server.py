@@ -23,14 +23,15 @@ CONTEXT = 512  # small context so a prompt can sit right at the limit
 COMMON = ["--dtype", "float32", "--max-running-requests", "8", "--random-seed", "1", "--context-length", str(CONTEXT)]
 
 
-def _saguaro_server(target, draft, mode, tmp_path, extra_env=None, **extra_cfg):
+def _saguaro_server(target, draft, mode, tmp_path, extra_env=None, k=4, **extra_cfg):
     endpoint = f"ipc://{tmp_path}/draft-{mode}-{uuid.uuid4().hex[:6]}.sock"
     stats = str(tmp_path / f"stats-{mode}.json")
     # fan_out 2 (B = 10 per request) keeps the CPU cache build, and this test, shorter
     env = {"SGLANG_SSD_CONFIG": json.dumps({"mode": mode, "draft_endpoint": endpoint, "stats_file": stats, "fan_out": 2,
                                             "stats_interval": 20, **extra_cfg}), **(extra_env or {})}
+    k_flag = [] if k is None else ["--speculative-num-steps", str(k)]  # None: the plugin chooses K
     srv = SGLangServer(target, COMMON + ["--speculative-algorithm", "saguaro", "--speculative-draft-model-path",
-                                         draft, "--speculative-num-steps", "4"],
+                                         draft] + k_flag,
                        env=env, cpu_core=0, log_path=str(tmp_path / f"server-{mode}.log"))
     srv.draft_endpoint, srv.stats_file = endpoint, stats
     return srv
@@ -184,6 +185,22 @@ def test_async_with_cut_builds_equals_plain_sglang(target_path, draft_path, prom
     assert stats["errors"] == 0 and stats["fallback_rows"] == 0 and stats["hits"] > 0, stats
     assert health["builds"] > 0 and health["builds_cut"] == health["builds"] and health["cut_depth_2"] > 0, health
     assert health["live_requests"] == 0, health
+
+
+def test_auto_k_server_equals_plain_sglang(target_path, draft_path, prompts, reference, tmp_path):
+    """No --speculative-num-steps: the plugin measures and picks K at launch (alpha_prior 0.01 makes it K = 1 on
+    any CPU, unlike DEFAULT_K = 4), and the scheduler's K+1 slots and the worker's K must be that same K."""
+    srv = _saguaro_server(target_path, draft_path, "async", tmp_path, k=None, alpha_prior=0.01)
+    with srv:
+        outs = _run_concurrent(srv, prompts[:8], {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True})
+        info = srv.server_info()
+        time.sleep(1.0)
+        stats = json.load(open(srv.stats_file))
+    for i, (o, ref) in enumerate(zip(outs, reference["greedy"][:8])):
+        assert o["output_ids"] == ref, f"prompt {i} differs (auto K)"
+    assert info["speculative_num_steps"] == 1 and info["speculative_num_draft_tokens"] == 2, info
+    assert stats["k"] == 1 and stats["rounds"] > 0 and stats["errors"] == 0, stats
+    assert 1.0 < stats["accept_len"] <= 2.0, stats
 
 
 def _abort_mid_generation(srv, ids) -> bool:

@@ -34,3 +34,15 @@ def check_draft_matches_target(target_path: str, draft_path: str) -> None:
         raise SaguaroConfigError(
             f"{DRAFT_FLAG}: the draft's tokenizer vocabulary differs from the target's "
             "(tokenizer.json); the draft must share the target's tokenizer")
+
+
+def resolved_args(server_args):
+    """The server arguments as SGLang resolved them.  SGLang 0.5.23 keeps a ServerArgs' raw input in its fields
+    and what launch-time handlers decided (SaguaroAlgo.handle_server_args: K when not given, K+1, topk) as
+    declarations that survive pickling into the scheduler process; its own code reads them through a resolving
+    view (runtime_context.get_spec()).  Reading the raw field would give None for a K the plugin chose."""
+    try:
+        from sglang.srt.arg_groups.model_override_base import resolving_view
+    except ImportError:  # another SGLang layout: fields are the resolved values
+        return server_args
+    return resolving_view(server_args)

@@ -32,6 +32,7 @@ from sglang_ssd.config import SaguaroConfig, resolve_draft_device
 from sglang_ssd.saguaro.target_dist import is_greedy, sampler_filter_order, target_probs
 from sglang_ssd.saguaro.verify import verify_chain, verify_chain_greedy
 from sglang_ssd.sglang import early_prefill
+from sglang_ssd.sglang.compat import resolved_args
 from sglang_ssd.sglang.draft_link import DraftLink
 from sglang_ssd.sglang.grammar import mask_chain_logits
 from sglang_ssd.sglang.metrics import SaguaroMetrics
@@ -62,6 +63,7 @@ def target_gpus(server_args, gpu_id: int) -> set[int]:
 class SaguaroWorker(BaseSpecWorker):
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker, **kwargs):
         super().__init__()
+        server_args = resolved_args(server_args)  # K, K+1 as resolved at launch (raw fields keep the input)
         self.server_args = server_args
         self._target_worker = target_worker
         self._draft_worker = None

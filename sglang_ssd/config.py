@@ -183,9 +183,7 @@ class SaguaroConfig:
                 raise SaguaroConfigError(f"{ENV_VAR} key {key!r} must be a positive number of seconds, got {v!r}")
         if not isinstance(self.auto_k, bool):
             raise SaguaroConfigError(f"{ENV_VAR} key 'auto_k' must be true or false")
-        if (not isinstance(self.alpha_prior, (int, float)) or isinstance(self.alpha_prior, bool)
-                or not 0.0 <= self.alpha_prior < 1.0):
-            raise SaguaroConfigError(f"{ENV_VAR} key 'alpha_prior' must be a number in [0, 1), got {self.alpha_prior!r}")
+        check_alpha_prior(self.alpha_prior)
         if not isinstance(self.stats_interval, int) or self.stats_interval < 1:
             raise SaguaroConfigError(f"{ENV_VAR} key 'stats_interval' must be an integer >= 1")
         validate_draft_path(self.draft_model_path)
@@ -265,6 +263,13 @@ def check_saguaro_c(v: Any) -> Optional[float]:
     """A valid Saguaro sampling C (a number in (0, 1]) as float, else None."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < float(v) <= 1.0:
         return None
+    return float(v)
+
+
+def check_alpha_prior(v: Any) -> float:
+    """The config's alpha_prior (a number in [0, 1)) as float; else a SaguaroConfigError naming the key."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= float(v) < 1.0:
+        raise SaguaroConfigError(f"{ENV_VAR} key 'alpha_prior' must be a number in [0, 1), got {v!r}")
     return float(v)
 
 

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
-import time
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +23,6 @@ from sglang_ssd.cpu import small_m_linear as sml
 
 logger = logging.getLogger(__name__)
 PROBE_BYTES = 320 << 20  # distinct layer weights made for the probe (past any L3); more layers are scaled
-CALLS = 3                # timed calls per row count (best of), after one warm-up
 
 
 def target_shapes(hf: dict) -> tuple[list[tuple[int, int]], tuple[int, int], int]:
@@ -38,26 +35,11 @@ def target_shapes(hf: dict) -> tuple[list[tuple[int, int]], tuple[int, int], int
     return layer, (hf["vocab_size"], h), layers
 
 
-def _best(fn) -> float:
-    fn()
-    best = math.inf
-    for _ in range(CALLS):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def _product(x: torch.Tensor, w: torch.Tensor, route: str, m_max: int) -> float:
-    """Seconds of one x [m, in] by w [out, in] product by the server's route for m rows."""
-    m = x.shape[0]
-    t_lin = _best(lambda: F.linear(x, w))
-    if m < 2 or m > m_max or route == "linear":
-        return t_lin
-    t_wxt = _best(lambda: torch.mm(w, x.t()))
-    if route == "wxt":
-        return t_wxt
-    return t_wxt if t_wxt <= sml.MIN_GAIN * t_lin else t_lin  # what prefer_wxt keeps
+    """Seconds of one x [m, in] by w [out, in] product by the server's route for m rows: the same
+    ``applies`` / ``prefer_wxt`` decision cpu_linear makes (measured once per shape under "measure")."""
+    use_wxt = sml.applies(x, w, m_max) and sml.prefer_wxt(x, w, route)
+    return sml._best_time("probe", (lambda: torch.mm(w, x.t())) if use_wxt else (lambda: F.linear(x, w)))
 
 
 def linear_row_costs(hf: dict, rows, env=None) -> dict[int, float]:

@@ -14,7 +14,7 @@ import os
 
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
-from sglang_ssd.config import ENV_VAR, K_FLAG, SaguaroConfig, SaguaroConfigError, load_env_config
+from sglang_ssd.config import K_FLAG, SaguaroConfig, SaguaroConfigError, check_alpha_prior, load_env_config
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +92,7 @@ def default_k(server_args, env=None) -> int:
         return len(fan_out) - 1  # a per-depth fan-out list already says K
     if extra.get("auto_k", True) is not True or env.get("SGLANG_USE_CPU_ENGINE") != "1":
         return DEFAULT_K
-    alpha = extra.get("alpha_prior", SaguaroConfig.alpha_prior)
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0.0 <= alpha < 1.0:
-        raise SaguaroConfigError(f"{ENV_VAR} key 'alpha_prior' must be a number in [0, 1), got {alpha!r}")
+    alpha = check_alpha_prior(extra.get("alpha_prior", SaguaroConfig.alpha_prior))
     path = str(getattr(server_args, "model_path", "") or "")
     if path not in _AUTO_K:
         from sglang_ssd.cpu.row_cost_probe import probe_target
@@ -104,7 +102,7 @@ def default_k(server_args, env=None) -> int:
         if costs is None:
             _AUTO_K[path] = DEFAULT_K
         else:
-            k, table = choose_k(costs, float(alpha), STEP_OVERHEAD * costs[1], MAX_AUTO_K)
+            k, table = choose_k(costs, alpha, STEP_OVERHEAD * costs[1], MAX_AUTO_K)
             logger.info("saguaro auto K = %d (%s not given): the target's linears over m rows cost %s ms on this "
                         "CPU; predicted speedup by K at alpha %.2f: %s", k, K_FLAG,
                         {m: round(c, 1) for m, c in costs.items()}, alpha, {j: round(v, 3) for j, v in table.items()})

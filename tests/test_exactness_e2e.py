@@ -41,8 +41,8 @@ from sglang_ssd.draft.runner import DraftRunner, ForwardItem
 from sglang_ssd.protocol import PROTOCOL_VERSION, Hello, Prefill, Speculate
 from sglang_ssd.saguaro.proposal import dequantize_proposal
 from sglang_ssd.saguaro.target_dist import target_probs
-from sglang_ssd.saguaro.verify import verify_chain
-from sglang_ssd.sglang.link_state import reply_q16
+from sglang_ssd.saguaro.verify import verify_chain, verify_chain_logits
+from sglang_ssd.sglang.link_state import reply_q16, reply_q_sums
 from tests.tiny_models import make_reduced_head_model, make_tiny_eagle3, make_tiny_model
 
 V, K = 8, 2
@@ -82,10 +82,15 @@ def _spec(rnd, rids, ks, bonuses, temps, eagle, fed=None, ctx_len=None):
 REDUCED_HEAD = [6, 0, 3, 1, 7, 4]  # unsorted on purpose: the runner sorts its columns by id
 
 
+def _logits(runner, contexts: list[list[int]], n_last: int) -> torch.Tensor:
+    """Logits [B, n_last, V] at the last n_last positions of each context (fresh KV)."""
+    items = [ForwardItem.extend(runner.new_kv(len(c) + 1), c, 0, n_last) for c in contexts]
+    return torch.stack(runner.forward(items))
+
+
 def _probs(runner, contexts: list[list[int]], n_last: int, temp: float) -> torch.Tensor:
     """Target law p [B, n_last, V] at the last n_last positions of each context (fresh KV)."""
-    items = [ForwardItem.extend(runner.new_kv(len(c) + 1), c, 0, n_last) for c in contexts]
-    z = torch.stack(runner.forward(items))                                     # [B, n_last, V]
+    z = _logits(runner, contexts, n_last)                                      # [B, n_last, V]
     b = len(contexts) * n_last
     one = torch.ones(b)
     return target_probs(z.reshape(b, V), one * temp, one, torch.full((b,), -1, dtype=torch.long),
@@ -102,8 +107,10 @@ def exact_conditional(target, temp: float) -> torch.Tensor:
     return out
 
 
-def run(pair, path: str, temp: float, seed: int, broken: str = "") -> tuple[torch.Tensor, float]:
-    """-> counts [V, V, V] of (x1, x2, x3) over the kept samples, and the fraction of rounds that hit."""
+def run(pair, path: str, temp: float, seed: int, broken: str = "", verifier: str = "table") -> tuple[torch.Tensor, float]:
+    """-> counts [V, V, V] of (x1, x2, x3) over the kept samples, and the fraction of rounds that hit.
+    verifier "table": target_probs + verify_chain (the worker's top-k / top-p / min-p rounds); "logits":
+    verify_chain_logits on the raw logits with the wire rows' sums (its plain-temperature rounds)."""
     eagle = path.startswith("eagle")
     target, draft = pair[0], pair[3] if eagle else pair[2] if path in ("reduced", "hybrid") else pair[1]
     mode = "sync" if path in ("backup", "fast", "hybrid", "eaglebackup") else "async"
@@ -165,9 +172,19 @@ def run(pair, path: str, temp: float, seed: int, broken: str = "") -> tuple[torc
             q = torch.stack([_probs(draft, [ctx[r] + drafts[i, :K - 1].tolist()], K, temp)[0]
                              for i, r in enumerate(live)]).half()
         # padding -> 0 in the verify input, as the worker does (positions past max_accept are never used)
-        p = _probs(target, [ctx[r] + drafts[i].clamp_min(0).tolist() for i, r in enumerate(live)], K + 1, temp)
+        chains = [ctx[r] + drafts[i].clamp_min(0).tolist() for i, r in enumerate(live)]
         greedy = torch.full((len(live),), broken == "greedy_accept")
-        n_acc, out = verify_chain(p, drafts, dequantize_proposal(q), greedy, generator=g)
+        if verifier == "logits":
+            z = _logits(target, chains, K + 1)
+            q_rows = torch.as_tensor(reply.q_rows)
+            q_valid = torch.zeros(len(live), dtype=torch.bool)
+            q_valid[q_rows] = True
+            sums = None if broken else reply_q_sums(reply.q, q_rows, len(live), K, "cpu")
+            n_acc, out = verify_chain_logits(z, torch.full((len(live),), temp), drafts, q, greedy, z.argmax(-1),
+                                             generator=g, q_valid=q_valid, q_sums=sums)
+        else:
+            p = _probs(target, chains, K + 1, temp)
+            n_acc, out = verify_chain(p, drafts, dequantize_proposal(q), greedy, generator=g)
         nxt = []
         for i, r in enumerate(live):
             new = out[i, : int(n_acc[i])].tolist()
@@ -247,3 +264,21 @@ def test_negative_controls_are_detected(pair, broken, path):
     counts, _ = run(pair, path, 1.0, seed=7, broken=broken)
     p = g_test(counts, exact_conditional(pair[0], 1.0))
     assert p < 1e-6, f"broken verifier ({broken}) not detected: p = {p:.2e}"
+
+
+@pytest.mark.parametrize("path, temp", [("hit", 1.0), ("saguaro", 0.7), ("hitfast", 1.0), ("hithybrid", 1.0),
+                                         ("reduced", 0.7), ("backup", 1.0)])
+def test_output_law_with_the_logits_verifier(pair, path, temp):
+    """The worker's verify for plain-temperature rounds (verify_chain_logits: p only at the drafts and
+    the stop row, q read through the wire rows' sums) keeps the target's law on every kind of round."""
+    counts, _ = run(pair, path, temp, seed=8 if "hybrid" in path else 7, verifier="logits")
+    assert counts.sum() > 0.75 * N
+    p = g_test(counts, exact_conditional(pair[0], temp))
+    assert p > P_MIN, f"{path} T={temp} (logits verifier): G-test p = {p:.2e}"
+
+
+@pytest.mark.parametrize("broken, path", [("plain_q", "saguaro"), ("misplaced_ids", "reduced")])
+def test_negative_controls_with_the_logits_verifier(pair, broken, path):
+    counts, _ = run(pair, path, 1.0, seed=7, broken=broken, verifier="logits")
+    p = g_test(counts, exact_conditional(pair[0], 1.0))
+    assert p < 1e-6, f"broken verifier ({broken}, logits) not detected: p = {p:.2e}"

@@ -100,6 +100,14 @@ def effective_top_k(top_k: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.where(off, torch.full_like(top_k, vocab_size), top_k)
 
 
+def needs_filter(top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """BoolTensor[N]: rows whose distribution is not the plain softmax(logits / T): top-k below the
+    vocabulary, top-p < 1 or min-p > 0 (SGLang samples the others from the softmax as is)."""
+    top_k, top_p, min_p = (x.reshape(-1) for x in (top_k, top_p, min_p))
+    k_on = (top_k > 0) & (top_k < vocab_size)
+    return k_on | (top_p < 1.0) | (min_p > 0.0)
+
+
 def _renorm(w: torch.Tensor) -> torch.Tensor:
     # Rows always keep >= 1 token (rank 0 survives every filter), so the sum is > 0.
     return w / w.sum(dim=-1, keepdim=True)
@@ -176,8 +184,7 @@ def target_probs(
         sub = torch.softmax(logits[rows] / t, dim=-1)  # Sampler.forward: logits.div_(T); softmax
         # Rows without top-k / top-p / min-p are SGLang's "simple sampling case": it samples from the
         # softmax as is, so they skip the sort (a full 49k-entry sort per row cost ~10 ms on a CPU core).
-        k_on = (top_k[rows] > 0) & (top_k[rows] < logits.shape[-1])
-        filt = (k_on | (top_p[rows] < 1.0) | (min_p[rows] > 0.0)).nonzero().squeeze(-1)
+        filt = needs_filter(top_k[rows], top_p[rows], min_p[rows], logits.shape[-1]).nonzero().squeeze(-1)
         if filt.numel():
             fr = rows[filt]
             sub[filt] = filter_probs(sub[filt], top_k[fr], top_p[fr].float(), min_p[fr].float(), filter_order)

@@ -73,20 +73,45 @@ def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None) -
     return (probs.float() / e.clamp_min(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
 
 
+CDF_BLOCK = 256  # tokens per block of the two-level inverse CDF
+
+
 def sample_inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One draw per row from (possibly unnormalised) probs [N, V] with ONE uniform per row: the first i
     whose cumulative mass exceeds u * total.  Token i owns the interval [c_{i-1}, c_i) of width p_i (up to
-    float64 rounding of the cumsum), so a zero-probability token is never drawn.  The draft samples its
-    speculations this way: torch.multinomial cost ~13 ms per 16 rows of 49k tokens on a CPU core (most
-    of a tree depth), this ~1 ms."""
-    c = torch.cumsum(probs.double(), dim=-1)
-    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, generator=generator, device=probs.device)
-    idx = torch.searchsorted(c, u * c[:, -1:], right=True).squeeze(-1)
-    over = idx >= probs.shape[-1]  # u * total rounded up to total: take the last token with mass
+    float64 rounding of the sums), so a zero-probability token is never drawn.  The draft samples its
+    speculations this way and the verifier its bonus: torch.multinomial cost ~13 ms per 16 rows of 49k
+    tokens on a CPU core, B x V exponentials ~6 ms per 8 rows.
+
+    Two levels, since a float64 cumsum over the whole row is slow on a CPU core (~2.5 ms for 8 x 49k):
+    block sums of CDF_BLOCK tokens (one vectorised reduction), the block holding u * total by their
+    cumsum, then the cumsum of that one block per row."""
+    n, v = probs.shape
+    u = torch.rand(n, 1, dtype=torch.float64, generator=generator, device=probs.device)
+    if v <= 2 * CDF_BLOCK:
+        blocks, width = probs.double().unsqueeze(1), v
+    else:
+        nb = -(-v // CDF_BLOCK)
+        padded = torch.nn.functional.pad(probs, (0, nb * CDF_BLOCK - v)) if nb * CDF_BLOCK > v else probs
+        blocks, width = padded.reshape(n, nb, CDF_BLOCK), CDF_BLOCK
+    block_mass = blocks.sum(dim=-1, dtype=torch.float64)  # [N, nb]
+    block_cum = torch.cumsum(block_mass, dim=-1)
+    target = u * block_cum[:, -1:]
+    blk = torch.searchsorted(block_cum, target, right=True)  # [N, 1]
+    past = blk.squeeze(1) >= block_cum.shape[1]  # u * total rounded up to total: the last block with mass
+    if bool(past.any()):
+        nb = block_mass.shape[1]
+        blk[past, 0] = nb - 1 - torch.flip(block_mass[past] > 0, dims=[-1]).to(torch.int8).argmax(-1)
+    before = torch.where(blk > 0, block_cum.gather(1, (blk - 1).clamp_min(0)), torch.zeros_like(target))
+    rows = torch.arange(n, device=probs.device)
+    inner = blocks[rows, blk.squeeze(1)].double()  # [N, width]: the chosen block of each row
+    j = torch.searchsorted(torch.cumsum(inner, dim=-1), target - before, right=True).squeeze(-1)
+    # rounding (u * total up to total, a block's sum above its own cumsum's last value): the chosen
+    # block's last token with mass (the block has mass: block_cum rises at it)
+    over = j >= width
     if bool(over.any()):
-        last = probs.shape[-1] - 1 - torch.flip(probs[over] > 0, dims=[-1]).to(torch.int8).argmax(-1)
-        idx[over] = last
-    return idx
+        j[over] = width - 1 - torch.flip(inner[over] > 0, dims=[-1]).to(torch.int8).argmax(-1)
+    return blk.squeeze(1) * width + j
 
 
 def _leading_accepts(accepted: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
@@ -209,6 +234,89 @@ def verify_chain(
 
     # 3. Pack: accepted drafts, the bonus, then padding.
     return _pack(drafts, n_acc, bonus)
+
+
+def verify_chain_logits(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    q16: torch.Tensor | None,
+    greedy: torch.Tensor,
+    target_argmax: torch.Tensor,
+    generator: torch.Generator | None = None,
+    max_accept: torch.Tensor | None = None,
+    q_valid: torch.Tensor | None = None,
+    q_sums: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``verify_chain`` for rows whose target distribution is the plain softmax(logits / T) (no top-k,
+    top-p or min-p; greedy rows may be mixed in), computing p only where the rule reads it.
+
+    The rule needs p(d_j) at the K drafts of each row and the full p at ONE position per row (the
+    stop, for the bonus), not the [B, K+1, V] table: p(d_j) = exp(z(d_j) - logsumexp(z)) with
+    z = logits / T, and the stop row's p = softmax(z) as ``target_probs`` builds it.  q16 (the wire
+    copy, [B, K, V] float16) is read the way dequantize_proposal reads it, at the drafts and at the stop
+    row only: each value over its row's exact float64 sum, so a value taken alone equals that value of
+    the whole dequantised row bit for bit (q_sums: those sums as float32, [B, K], when the caller has
+    them from the sparse wire form).  The bonus is one inverse-CDF draw per row from the unnormalised
+    residual (the same law as its normalised form).
+
+    logits: [B, K+1, V] processed logits (penalties, bias, grammar masks applied); temperature [B]
+    (ignored on greedy rows); target_argmax [B, K+1]; the rest as ``verify_chain``.
+    """
+    b, k1, v = logits.shape
+    k = k1 - 1
+    assert draft_tokens.shape == (b, k), f"draft_tokens {tuple(draft_tokens.shape)} != {(b, k)}"
+    assert q16 is None or q16.shape == (b, k, v), f"q {tuple(q16.shape)} != {(b, k, v)}"
+    device = logits.device
+    greedy = greedy.to(device=device, dtype=torch.bool)
+    drafts = draft_tokens.to(device=device, dtype=torch.long)
+    cap = _caps(max_accept, drafts, v)
+    drafts_safe = drafts.clamp(0, v - 1)
+    q_valid = (torch.ones(b, dtype=torch.bool, device=device) if q_valid is None
+               else q_valid.to(device=device, dtype=torch.bool))
+    target_argmax = target_argmax.to(device=device, dtype=torch.long)
+    t = torch.where(greedy, torch.ones_like(temperature), temperature.reshape(-1).float().to(device)).view(b, 1)
+    rows = torch.arange(b, device=device)
+    if q16 is not None and q_sums is None:
+        q_sums = q16.sum(dim=-1, dtype=torch.float64).to(torch.float32)
+    if q_sums is not None:
+        q_sums = q_sums.to(device).clamp_min(1e-30)
+
+    # 1. accept coins from p(d_j) and q(d_j) alone
+    z = logits[:, :k].float() / t.unsqueeze(-1)  # Sampler.forward: logits.div_(T), then softmax
+    p_tok = torch.exp(z.gather(-1, drafts_safe.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1))
+    del z
+    if q16 is None:
+        q_tok = torch.ones_like(p_tok)
+    else:
+        q_tok = q16.gather(-1, drafts_safe.unsqueeze(-1)).squeeze(-1).to(torch.float32) / q_sums
+        q_tok = torch.where(q_valid.view(-1, 1), q_tok, torch.ones_like(q_tok))
+    u = torch.rand(p_tok.shape, generator=generator, device=device, dtype=torch.float32)
+    sampled_ok = u < accept_probability(p_tok, q_tok)
+    greedy_ok = drafts_safe == target_argmax[:, :k]
+    n_acc = _leading_accepts(torch.where(greedy.view(-1, 1), greedy_ok, sampled_ok), cap)
+
+    # 2. the bonus from the stop row's p: after a real rejection the residual max(0, p - q) (one-hot q:
+    #    p without the draft), else p itself; an all-zero residual (p == q) falls back to p
+    rejected = (n_acc < cap) & ~greedy
+    p_at = torch.softmax(logits[rows, n_acc].float() / t, dim=-1)
+    weights = p_at
+    if k > 0 and bool(rejected.any()):
+        pos_q = n_acc.clamp(max=k - 1)
+        q_at = None if q16 is None else q16[rows, pos_q].to(torch.float32) / q_sums[rows, pos_q].unsqueeze(-1)
+        weights = _bonus_weights(p_at, q_at, q_valid, drafts_safe[rows, pos_q], rejected)
+    bonus = torch.where(greedy, target_argmax[rows, n_acc], sample_inverse_cdf(weights, generator))
+    return _pack(drafts, n_acc, bonus)
+
+
+def _bonus_weights(p_at: torch.Tensor, q_at: torch.Tensor | None, q_valid: torch.Tensor, draft_at: torch.Tensor,
+                   rejected: torch.Tensor) -> torch.Tensor:
+    """``_bonus_distribution`` unnormalised (for sample_inverse_cdf): max(0, p - q) on rejected rows with
+    q, p without the draft on rejected deterministic rows, p elsewhere and where the residual is all 0."""
+    resid = p_at.scatter(-1, draft_at.unsqueeze(-1), 0.0)
+    if q_at is not None:
+        resid = torch.where(q_valid.view(-1, 1), (p_at - q_at).clamp_min_(0.0), resid)
+    return torch.where(rejected.view(-1, 1) & (resid.sum(-1, keepdim=True) > 0), resid, p_at)
 
 
 def _pack(drafts: torch.Tensor, n_acc: torch.Tensor, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

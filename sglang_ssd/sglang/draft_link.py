@@ -32,7 +32,7 @@ import torch
 from sglang_ssd.config import SaguaroConfig, check_saguaro_c, resolve_backup, resolve_draft_device
 from sglang_ssd.protocol import Ack, SpecReply
 from sglang_ssd.sglang import early_prefill
-from sglang_ssd.sglang.link_state import UNKNOWN, LinkStats, Proposal, _Late, _ReqState, reply_q16
+from sglang_ssd.sglang.link_state import UNKNOWN, LinkStats, Proposal, _Late, _ReqState, reply_q16, reply_q_sums
 from sglang_ssd.sglang.target_features import TargetFeatures
 
 __all__ = ["DraftLink", "LinkStats", "Proposal"]
@@ -289,9 +289,10 @@ class DraftLink:
             q_rows = torch.as_tensor(reply.q_rows, dtype=torch.int64)
             q_valid = torch.zeros(bs, dtype=torch.bool)
             q_valid[q_rows] = True
-            q16 = None
+            q16 = q_sums = None
             if q_rows.numel():  # sparse q (the head's ids once, values per row), scattered on the device
                 q16 = reply_q16(reply.q, reply.q_ids, q_rows, bs, self.k, self.vocab_size, self.device)
+                q_sums = reply_q_sums(reply.q, q_rows, bs, self.k, self.device)
             hit = torch.as_tensor(reply.hit, dtype=torch.bool).reshape(bs)
             for r, row, n, known in zip(reqs, tokens.tolist(), max_accept.tolist(), knowns):
                 self.states[r.rid] = _ReqState(spec=row[:n], known_len=known)  # only what may be accepted
@@ -310,7 +311,7 @@ class DraftLink:
         self.stats.backup_s += reply.backup_ms / 1e3
         self.stats.hits += int(hit.sum())
         self.stats.replied(reply, used=True)
-        return Proposal(tokens, q16, q_valid, max_accept, hit, wait)
+        return Proposal(tokens, q16, q_valid, max_accept, hit, wait, q_sums)
 
     def _deadline(self) -> float:
         """The round's wait bound: round_deadline_s, stretched to 5x the recent reply time so a big

@@ -23,6 +23,9 @@ class Proposal:
     max_accept: torch.Tensor  # [bs] int64: drafts that may be accepted (0 = target-only round)
     hit: torch.Tensor  # [bs] bool: came from the speculation cache
     wait_s: float = 0.0
+    # [bs, K] float32 on the verifier's device: each q16 row's exact float64 sum (dequantize_proposal's
+    # normaliser), taken from the sparse wire rows; 1 on rows without q.  None: not computed
+    q_sums: Optional[torch.Tensor] = None
 
 
 def reply_q16(q: np.ndarray, q_ids: np.ndarray, q_rows: torch.Tensor, bs: int, k: int, vocab_size: int,
@@ -46,6 +49,15 @@ def reply_q16(q: np.ndarray, q_ids: np.ndarray, q_rows: torch.Tensor, bs: int, k
     ids = (torch.from_numpy(np.ascontiguousarray(q_ids)).to(device, non_blocking=True) if len(q_ids)
            else torch.arange(vocab_size, device=device))[None, None, :]
     return out.index_put_((r, j, ids), rows)  # one scatter: out[q_rows[a], t, ids[c]] = q[a, t, c]
+
+
+def reply_q_sums(q: np.ndarray, q_rows: torch.Tensor, bs: int, k: int, device) -> torch.Tensor:
+    """[bs, K] float32: the exact float64 sum of each wire q row (zeros elsewhere add nothing, so it is
+    the dense row's sum bit for bit), 1 on rows without q."""
+    sums = torch.ones(bs, k, dtype=torch.float32)
+    if q_rows.numel():
+        sums[q_rows] = torch.from_numpy(np.ascontiguousarray(q).sum(axis=-1, dtype=np.float64)).to(torch.float32)
+    return sums.to(device)
 
 
 @dataclass

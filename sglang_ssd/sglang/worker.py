@@ -29,8 +29,8 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
 from sglang_ssd.config import SaguaroConfig, resolve_draft_device
-from sglang_ssd.saguaro.target_dist import is_greedy, sampler_filter_order, target_probs
-from sglang_ssd.saguaro.verify import verify_chain, verify_chain_greedy
+from sglang_ssd.saguaro.target_dist import is_greedy, needs_filter, sampler_filter_order, target_probs
+from sglang_ssd.saguaro.verify import verify_chain, verify_chain_greedy, verify_chain_logits
 from sglang_ssd.sglang import early_prefill
 from sglang_ssd.sglang.compat import resolved_args
 from sglang_ssd.sglang.draft_link import DraftLink
@@ -180,7 +180,17 @@ class SaguaroWorker(BaseSpecWorker):
         if bool(greedy.all()):  # argmax match only: no target distributions, no random draws
             accept_lens, out_tokens = verify_chain_greedy(prop.tokens.to(self.device), target_argmax, logits.shape[-1],
                                                           max_accept=prop.max_accept.to(self.device))
-        else:
+        elif not bool((needs_filter(info.top_ks, info.top_ps, info.min_ps, logits.shape[-1]).to(self.device)
+                       & ~greedy.to(self.device)).any()):
+            # plain softmax(logits / T) on every sampled row: p only at the drafts and the stop row
+            # (verify_chain_logits), not the [bs, K+1, V] table (~25 ms per round at b = 8 on a CPU core)
+            accept_lens, out_tokens = verify_chain_logits(
+                logits, temps.to(self.device), prop.tokens.to(self.device), prop.q16, greedy.to(self.device),
+                target_argmax=target_argmax, generator=self.generator,
+                max_accept=prop.max_accept.to(self.device), q_valid=prop.q_valid.to(self.device),
+                q_sums=prop.q_sums,
+            )
+        else:  # top-k / top-p / min-p rows: the sampler's filtered distributions, in full
             rep = lambda t: t.reshape(-1)[:, None].expand(bs, n).reshape(-1)  # per-request -> per-position
             p = target_probs(logits.reshape(bs * n, -1), rep(temps), rep(info.top_ps.float()),
                              rep(info.top_ks), rep(info.min_ps.float()),

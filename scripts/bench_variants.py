@@ -58,11 +58,27 @@ def server(v: dict, k: int, workdir: str) -> SGLangServer:
                "stats_file": stats, "stats_interval": 100000, **v.get("config", {})}
         env["SGLANG_SSD_CONFIG"] = json.dumps(cfg)
     env.update(v.get("env", {}))  # e.g. a draft knob such as SGLANG_SSD_BUILD_BUDGET (the draft inherits it)
-    if v.get("tree"):  # the server, and the draft it spawns, import sglang_ssd from that checkout
-        env["PYTHONPATH"] = os.pathsep.join([str(Path(v["tree"]).resolve()), os.environ.get("PYTHONPATH", "")])
-    srv = SGLangServer(paths.target_path(), extra, env=env, cpu_core=0, log_path=os.path.join(workdir, f"{name}.log"))
+    tree = str(Path(v["tree"]).resolve()) if v.get("tree") else None
+    if tree:  # the server, and the draft it spawns, import sglang_ssd from that checkout: on PYTHONPATH and as
+        # the working directory, since `python -m` puts the working directory first on sys.path (run from
+        # this checkout, the servers would otherwise import ITS sglang_ssd whatever PYTHONPATH says)
+        env["PYTHONPATH"] = os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])
+    srv = SGLangServer(paths.target_path(), extra, env=env, cpu_core=0, log_path=os.path.join(workdir, f"{name}.log"),
+                       cwd=tree or str(HERE.parent))
     srv.endpoint, srv.stats_path = (endpoint if v["mode"] != "ar" else None), stats
     return srv
+
+
+def check_tree(v: dict, log_path: str) -> None:
+    """A speculative variant's worker logs the checkout it imported sglang_ssd from: it must be the variant's."""
+    if v["mode"] == "ar":
+        return
+    want = str(Path(v.get("tree") or HERE.parent).resolve())
+    lines = [ln for ln in Path(log_path).read_text(errors="replace").splitlines() if "sglang_ssd from" in ln]
+    got = lines[-1].rsplit("sglang_ssd from ", 1)[1].rstrip(")") if lines else None
+    if got is not None and got != want:
+        raise SystemExit(f"variant {v['name']} runs sglang_ssd from {got}, not {want}")
+    log.info("variant %s: sglang_ssd from %s", v["name"], got or "(not logged: a tree older than this check)")
 
 
 def _signal(srv: SGLangServer, sig: int) -> None:
@@ -155,6 +171,7 @@ def main(argv=None) -> int:
             stack.callback(_signal, srv, signal.SIGCONT)  # so that stopping it at exit can work
             srv.generate(input_ids=encode_prompt(tok, order[0]), sampling_params={"max_new_tokens": 8})
             _signal(srv, signal.SIGSTOP)
+            check_tree(v, os.path.join(workdir, f"{v['name']}.log"))
         for rep in range(args.repeats):
             for t in (float(x) for x in args.temps.split(",")):
                 for b in (int(x) for x in args.batches.split(",")):

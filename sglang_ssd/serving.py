@@ -40,8 +40,9 @@ class SGLangServer:
 
     def __init__(self, model_path: str, extra_args: Optional[list[str]] = None, *,
                  env: Optional[dict] = None, cpu_core: Optional[int] = None,
-                 startup_timeout: float = 300.0, log_path: Optional[str] = None):
+                 startup_timeout: float = 300.0, log_path: Optional[str] = None, cwd: Optional[str] = None):
         self.model_path = model_path
+        self.cwd = cwd  # `python -m` puts the working directory first on sys.path: a checkout there is imported
         self.extra_args = list(extra_args or [])
         self.env = dict(os.environ, **(env or {}))
         self.cpu_core = cpu_core
@@ -66,7 +67,7 @@ class SGLangServer:
         self._log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         logger.info("starting: %s", " ".join(cmd))
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, cwd=self.cwd)
         try:
             return self._wait_healthy()
         except BaseException:  # a failed or interrupted start-up (SystemExit from a SIGTERM handler too)

@@ -96,7 +96,8 @@ class SaguaroWorker(BaseSpecWorker):
         atexit.register(self.link.close)
         seed = server_args.random_seed if server_args.random_seed is not None else 0
         self.generator = torch.Generator(device=self.device).manual_seed(seed + 7919)
-        logger.info("saguaro worker ready: K=%d mode=%s fan_out=%s", self.k, self.cfg.mode, self.cfg.fan_out)
+        logger.info("saguaro worker ready: K=%d mode=%s fan_out=%s (sglang_ssd from %s)", self.k, self.cfg.mode,
+                    self.cfg.fan_out, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
     @property
     def draft_worker(self):

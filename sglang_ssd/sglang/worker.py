@@ -40,6 +40,7 @@ from sglang_ssd.sglang.target_features import enable_capture
 from sglang_ssd.sglang.verify_input import build_chain_verify_input, verify_reads_mask
 
 logger = logging.getLogger(__name__)
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # what sglang_ssd is under
 
 
 def sampling_backend(server_args) -> str:
@@ -97,7 +98,7 @@ class SaguaroWorker(BaseSpecWorker):
         seed = server_args.random_seed if server_args.random_seed is not None else 0
         self.generator = torch.Generator(device=self.device).manual_seed(seed + 7919)
         logger.info("saguaro worker ready: K=%d mode=%s fan_out=%s (sglang_ssd from %s)", self.k, self.cfg.mode,
-                    self.cfg.fan_out, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                    self.cfg.fan_out, CHECKOUT)
 
     @property
     def draft_worker(self):

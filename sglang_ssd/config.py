@@ -41,6 +41,11 @@ curve_keys             ``SGLANG_SSD_CONFIG["curve_keys"]``         null; else a 
 early_prefill          ``SGLANG_SSD_CONFIG["early_prefill"]``      true: send the draft each prompt
                                                                    while the target prefills it
                                                                    (and build round 0 meanwhile)
+send_ahead             ``SGLANG_SSD_CONFIG["send_ahead"]``         true: tell the draft a round's outcome
+                                                                   the moment its verify is done (the next
+                                                                   Speculate overlaps SGLang's work
+                                                                   between rounds); false: at the next
+                                                                   round's start
 spawn_draft            ``SGLANG_SSD_CONFIG["spawn_draft"]``        true: start the draft process
                                                                    bound to draft_endpoint; false:
                                                                    connect to a running one there
@@ -96,6 +101,7 @@ class SaguaroConfig:
     draft_endpoint: Optional[str] = None
     spawn_draft: bool = True
     early_prefill: bool = True
+    send_ahead: bool = True  # sglang/ahead.py
     curve_keys: Optional[str] = None
     draft_dtype: str = "auto"
     draft_cpu_core: Optional[int] = None
@@ -161,8 +167,9 @@ class SaguaroConfig:
         if self.draft_endpoint is not None and not str(self.draft_endpoint).startswith(("ipc://", "tcp://")):
             raise SaguaroConfigError(
                 f"{ENV_VAR} key 'draft_endpoint' must be an ipc:// or tcp:// address, got {self.draft_endpoint!r}")
-        if not isinstance(self.early_prefill, bool):
-            raise SaguaroConfigError(f"{ENV_VAR} key 'early_prefill' must be true or false")
+        for key in ("early_prefill", "send_ahead"):
+            if not isinstance(getattr(self, key), bool):
+                raise SaguaroConfigError(f"{ENV_VAR} key {key!r} must be true or false")
         if not isinstance(self.spawn_draft, bool):
             raise SaguaroConfigError(f"{ENV_VAR} key 'spawn_draft' must be true or false")
         if not self.spawn_draft and self.draft_endpoint is None:

@@ -31,8 +31,8 @@ import torch
 
 from sglang_ssd.config import SaguaroConfig, check_saguaro_c, resolve_backup, resolve_draft_device
 from sglang_ssd.protocol import Ack, SpecReply
-from sglang_ssd.sglang import early_prefill
-from sglang_ssd.sglang.link_state import UNKNOWN, LinkStats, Proposal, _Late, _ReqState, reply_q16, reply_q_sums
+from sglang_ssd.sglang import ahead, early_prefill
+from sglang_ssd.sglang.link_state import UNKNOWN, LinkStats, Proposal, _Late, _ReqState, assemble_proposal
 from sglang_ssd.sglang.target_features import TargetFeatures
 
 __all__ = ["DraftLink", "LinkStats", "Proposal"]
@@ -75,6 +75,7 @@ class DraftLink:
         self.client_ok = True  # False after a broken-link error, until a reconnect succeeds
         self._late: Optional[_Late] = None  # a request whose reply missed its deadline, still outstanding
         self._inflight: Optional[tuple] = None  # (kind, rids, knowns, round_id) of the call under way
+        self._ahead: Optional[ahead.Ahead] = None  # the Speculate sent after the last verify, and its reply
         self._wait_ema = 0.0  # recent draft reply time (s), successful rounds only
         self.client_id = uuid.uuid4().hex  # stable across reconnects: the draft knows its owner by it
         self.features = TargetFeatures()  # an EAGLE-3 draft's target features, until sent
@@ -133,7 +134,7 @@ class DraftLink:
                         raise
                     time.sleep(0.5)
             logger.info("saguaro: draft ready at %s (%s)", self.endpoint, info)
-            self._late = None  # a new socket: no reply to the old one will arrive
+            self._late = self._ahead = None  # a new socket: no reply to the old one will arrive
             self.features.configure(info.feature_layers, info.feature_dim)
             if not info.resumed:  # a fresh session: the draft holds nothing of ours
                 self.states.clear()
@@ -163,7 +164,7 @@ class DraftLink:
         self.client_ok = False
         self._forget(self._inflight[1] if self._inflight else [])
         self._forget(self._late.rids if self._late else [])
-        self._late = self._inflight = None
+        self._late = self._inflight = self._ahead = None
         self._next_retry = time.monotonic() + self._backoff
 
     def _forget(self, rids) -> None:
@@ -201,6 +202,9 @@ class DraftLink:
         self._late = None
         if late.kind == early_prefill.KIND:  # sent early on purpose, not late
             early_prefill.settle(self, late, reply)
+            return True
+        if late.kind == ahead.KIND:  # sent after the last verify for the next round: kept for it
+            ahead.received(self, late, reply)
             return True
         self.stats.late_replies_discarded += 1
         if late.kind == "speculate":
@@ -249,6 +253,9 @@ class DraftLink:
         try:
             if self.spawn and not self._alive():
                 raise RuntimeError(f"draft process exited with code {self.proc.returncode}")
+            # the Speculate sent right after last round's verify (ahead.py): one wait of a round deadline
+            if self._late is not None and self._late.kind == ahead.KIND and not ahead.settle(self, self._deadline()):
+                return self._fallback(bs, t0)
             # a late reply gets one wait of a round deadline (the next round), later rounds only look
             if self._late is not None:
                 first = self._late.first_wait if self._late.first_wait is not None else self._deadline()
@@ -257,45 +264,17 @@ class DraftLink:
                 if not self._settle_late(wait):  # still busy: ask nothing, the draft would fall further behind
                     self.stats.stalled_rounds += 1
                     return self._fallback(bs, t0)
+            pieces = []
+            reply, pos, tokens, max_accept = ahead.take(self, reqs, self._usable)
+            if reply is not None:
+                pieces.append((reply, pos, tokens, max_accept))
+                self.stats.ahead_rows_used += sum(p >= 0 for p in pos)
             self._release_departed(set(rids))
-            knowns = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
-            ks, bonuses, new_rids, new_prompts, new_temps, new_cs = [], [], [], [], [], []
-            for r, temp, known in zip(reqs, temperatures, knowns):
-                k = self._outcome(self.states.get(r.rid), r, known)
-                if k is None:  # unknown to the draft (new, retracted, after a restart, out of sync)
-                    new_rids.append(r.rid)  # a Prefill of a live rid replaces that request
-                    new_prompts.append(list(r.origin_input_ids) + list(r.output_ids[:-1]))
-                    new_temps.append(temp)
-                    new_cs.append(self._saguaro_c(r))
-                    k = -1
-                ks.append(k)
-                bonuses.append(int(r.output_ids[-1]))
-            if new_rids:
-                # prefill may take longer than a round (long prompts): the deadline grows with the
-                # tokens to encode, so a hung draft still cannot hold the target for long
-                n_tok = sum(len(x) for x in new_prompts)
-                self._inflight = ("prefill", new_rids, None, 0)
-                self.client.prefill(new_rids, new_prompts, new_temps, saguaro_c=new_cs,
-                                    timeout_s=self.cfg.round_deadline_s + n_tok * PREFILL_S_PER_TOKEN)
-            self.round_id += 1
-            # the round's deadline bounds the target's wait: a hung or stopped draft costs one
-            # deadline (and one more wait for its late reply), then rounds decode target-only at once
-            self._inflight = ("speculate", rids, knowns, self.round_id)
-            reply = self.client.speculate(self.round_id, rids, ks, bonuses, temperatures,
-                                          timeout_s=self._deadline(),
-                                          features=self.features.take(rids) if self.features.enabled else None)
-            tokens, max_accept = usable_drafts(
-                torch.as_tensor(reply.tokens, dtype=torch.int64).reshape(bs, self.k), self.vocab_size)
-            q_rows = torch.as_tensor(reply.q_rows, dtype=torch.int64)
-            q_valid = torch.zeros(bs, dtype=torch.bool)
-            q_valid[q_rows] = True
-            q16 = q_sums = None
-            if q_rows.numel():  # sparse q (the head's ids once, values per row), scattered on the device
-                q16 = reply_q16(reply.q, reply.q_ids, q_rows, bs, self.k, self.vocab_size, self.device)
-                q_sums = reply_q_sums(reply.q, q_rows, bs, self.k, self.device)
-            hit = torch.as_tensor(reply.hit, dtype=torch.bool).reshape(bs)
-            for r, row, n, known in zip(reqs, tokens.tolist(), max_accept.tolist(), knowns):
-                self.states[r.rid] = _ReqState(spec=row[:n], known_len=known)  # only what may be accepted
+            covered = {p for p in pos if p >= 0}
+            rest = [i for i in range(bs) if i not in covered]
+            if rest:  # rows the ahead reply did not answer (or every row, without one)
+                pieces.append(self._ask([reqs[i] for i in rest], [temperatures[i] for i in rest], rest))
+            prop = assemble_proposal(bs, self.k, self.vocab_size, self.device, pieces)
             self._inflight = None
         except TimeoutError as exc:  # DraftTimeout: a live draft that is late
             self._missed(exc)
@@ -307,11 +286,57 @@ class DraftLink:
         self._wait_ema = 0.9 * self._wait_ema + 0.1 * wait
         self.stats.wait_s += wait
         self.stats.waited_rounds += int(wait > WAITED_S)
-        self.stats.answer_s += reply.answer_ms / 1e3
-        self.stats.backup_s += reply.backup_ms / 1e3
-        self.stats.hits += int(hit.sum())
-        self.stats.replied(reply, used=True)
-        return Proposal(tokens, q16, q_valid, max_accept, hit, wait, q_sums)
+        for reply, *_ in pieces:
+            self.stats.answer_s += reply.answer_ms / 1e3
+            self.stats.backup_s += reply.backup_ms / 1e3
+            self.stats.replied(reply, used=True)
+        self.stats.hits += int(prop.hit.sum())
+        prop.wait_s = wait
+        return prop
+
+    def _usable(self, reply: SpecReply) -> tuple[torch.Tensor, torch.Tensor]:
+        m = reply.tokens.shape[0]
+        return usable_drafts(torch.as_tensor(reply.tokens, dtype=torch.int64).reshape(m, self.k), self.vocab_size)
+
+    def _ask(self, reqs, temperatures: list[float], positions: list[int]):
+        """Prefill (rows the draft does not know) and Speculate for these rows of the batch, waiting for the
+        reply (the round's deadline).  -> (reply, their batch positions, usable tokens, max_accept)."""
+        rids = [r.rid for r in reqs]
+        knowns = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
+        ks, bonuses, new_rids, new_prompts, new_temps, new_cs = [], [], [], [], [], []
+        for r, temp, known in zip(reqs, temperatures, knowns):
+            k = self._outcome(self.states.get(r.rid), r, known)
+            if k is None:  # unknown to the draft (new, retracted, after a restart, out of sync)
+                new_rids.append(r.rid)  # a Prefill of a live rid replaces that request
+                new_prompts.append(list(r.origin_input_ids) + list(r.output_ids[:-1]))
+                new_temps.append(temp)
+                new_cs.append(self._saguaro_c(r))
+                k = -1
+            ks.append(k)
+            bonuses.append(int(r.output_ids[-1]))
+        if new_rids:
+            # prefill may take longer than a round (long prompts): the deadline grows with the
+            # tokens to encode, so a hung draft still cannot hold the target for long
+            n_tok = sum(len(x) for x in new_prompts)
+            self._inflight = ("prefill", new_rids, None, 0)
+            self.client.prefill(new_rids, new_prompts, new_temps, saguaro_c=new_cs,
+                                timeout_s=self.cfg.round_deadline_s + n_tok * PREFILL_S_PER_TOKEN)
+        self.round_id += 1
+        # the round's deadline bounds the target's wait: a hung or stopped draft costs one
+        # deadline (and one more wait for its late reply), then rounds decode target-only at once
+        self._inflight = ("speculate", rids, knowns, self.round_id)
+        reply = self.client.speculate(self.round_id, rids, ks, bonuses, temperatures,
+                                      timeout_s=self._deadline(),
+                                      features=self.features.take(rids) if self.features.enabled else None)
+        tokens, max_accept = self._usable(reply)
+        for r, row, n, known in zip(reqs, tokens.tolist(), max_accept.tolist(), knowns):
+            self.states[r.rid] = _ReqState(spec=row[:n], known_len=known)  # only what may be accepted
+        return reply, list(positions), tokens, max_accept
+
+    def send_ahead(self, reqs, accept_lens: list[int], out_tokens: list[list[int]],
+                   temperatures: list[float]) -> bool:
+        """Right after a verify: this round's outcome and the next Speculate, not waited for (ahead.py)."""
+        return ahead.send(self, reqs, accept_lens, out_tokens, temperatures)
 
     def _deadline(self) -> float:
         """The round's wait bound: round_deadline_s, stretched to 5x the recent reply time so a big
@@ -371,6 +396,10 @@ class DraftLink:
         if not rids or not self.client_ok:
             return
         try:
+            # the last round's ahead Speculate is due in a few ms: take it (a finished request's last round
+            # sends one, and an idle server has no next round to release the request at)
+            if self._late is not None and self._late.kind == ahead.KIND and not ahead.settle(self, self._deadline()):
+                return
             late = self._late
             early = late is not None and late.kind == early_prefill.KIND  # an Ack due at once: take it
             if not self._settle_late((late.first_wait or self._deadline()) if early else 0.0):

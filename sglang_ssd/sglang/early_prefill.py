@@ -21,6 +21,7 @@ import logging
 import time
 
 from sglang_ssd.protocol import Ack, Prefill
+from sglang_ssd.sglang import ahead
 from sglang_ssd.sglang.link_state import UNKNOWN, _Late, _ReqState
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,12 @@ def prefill_complete(req) -> bool:
 
 def start(link, reqs, temperatures, s_per_token: float) -> int:
     """Send a round-0 Prefill for the requests this prefill batch completes; -> rows sent."""
+    if link._late is not None and link._late.kind == ahead.KIND and link.client_ok:
+        try:  # the last decode round's ahead Speculate: its reply first (kept for the next decode round)
+            ahead.settle(link, link._deadline())
+        except Exception as exc:
+            link._fail(exc)
+            return 0
     if link.client is None or not link.client_ok or link._late is not None or link._inflight is not None:
         return 0
     rows = []

@@ -60,6 +60,38 @@ def reply_q_sums(q: np.ndarray, q_rows: torch.Tensor, bs: int, k: int, device) -
     return sums.to(device)
 
 
+def assemble_proposal(bs: int, k: int, vocab_size: int, device, pieces) -> Proposal:
+    """One round's Proposal from one or two SpecReplies (the ahead reply and the ordinary one for the rest
+    of the batch).  pieces: (reply, batch position of each reply row or -1 = not this batch's, usable
+    tokens [m, K], max_accept [m]).  q rows keep their wire bytes; rows of different replies never overlap,
+    so their scattered q16 add up exactly (x + 0)."""
+    tokens = torch.zeros(bs, k, dtype=torch.int64)
+    max_accept = torch.zeros(bs, dtype=torch.int64)
+    hit = torch.zeros(bs, dtype=torch.bool)
+    q_valid = torch.zeros(bs, dtype=torch.bool)
+    q_sums = torch.ones(bs, k, dtype=torch.float32)
+    q16 = None
+    for reply, pos, toks, ma in pieces:
+        pos_t = torch.as_tensor(pos, dtype=torch.int64)
+        used = pos_t >= 0
+        at = pos_t[used]
+        tokens[at], max_accept[at] = toks[used], ma[used]
+        hit[at] = torch.as_tensor(np.asarray(reply.hit), dtype=torch.bool).reshape(-1)[used]
+        q_rows = torch.as_tensor(np.asarray(reply.q_rows), dtype=torch.int64)
+        if not q_rows.numel():
+            continue
+        keep = used[q_rows]
+        if not bool(keep.any()):
+            continue
+        q = reply.q if bool(keep.all()) else reply.q[keep.numpy()]
+        rows_b = pos_t[q_rows[keep]]
+        part = reply_q16(q, reply.q_ids, rows_b, bs, k, vocab_size, device)
+        q16 = part if q16 is None else q16 + part
+        q_valid[rows_b] = True
+        q_sums[rows_b] = torch.from_numpy(np.ascontiguousarray(q).sum(axis=-1, dtype=np.float64)).to(torch.float32)
+    return Proposal(tokens, q16, q_valid, max_accept, hit, 0.0, None if q16 is None else q_sums.to(device))
+
+
 @dataclass
 class _ReqState:
     """The draft's state of one request: it proposed ``spec`` when it knew ``known_len`` tokens.
@@ -108,6 +140,9 @@ class LinkStats:
     resumes: int = 0  # reconnects whose Hello resumed the same session (state kept)
     errors: int = 0  # broken-link failures (dead process, error reply, bad reply): these reconnect
     early_prefills: int = 0  # rows whose draft prefill was sent while the target prefilled them
+    ahead_sent: int = 0  # Speculates sent right after a verify (ahead.py) ...
+    ahead_rows_used: int = 0  # ... rows of their replies used by the next round ...
+    ahead_rows_dropped: int = 0  # ... rows SGLang committed differently (re-prefilled)
     deadline_misses: int = 0  # requests whose reply did not arrive within its deadline (no reconnect)
     late_replies_discarded: int = 0  # replies that arrived after their deadline, received and dropped
     stalled_rounds: int = 0  # rounds decoded target-only without asking, a late reply still outstanding
@@ -165,6 +200,8 @@ class LinkStats:
                 "errors": self.errors, "reconnects": self.reconnects, "deadline_misses": self.deadline_misses,
                 "late_replies_discarded": self.late_replies_discarded, "stalled_rounds": self.stalled_rounds,
                 "resets": self.resets, "resumes": self.resumes, "early_prefills": self.early_prefills,
+                "ahead_sent": self.ahead_sent, "ahead_rows_used": self.ahead_rows_used,
+                "ahead_rows_dropped": self.ahead_rows_dropped,
                 "backup_rows": self.backup_rows, "fast_backup_rows": self.fast_rows, "builds": self.builds,
                 "builds_cut": sum(self.cuts.values()),
                 "accept_hist": self.hist}

@@ -209,6 +209,8 @@ class SaguaroWorker(BaseSpecWorker):
         if self.capture is not None:  # features of the committed positions (root + accepted drafts)
             self.features.from_verify([r.rid for r in reqs], seq_lens.tolist(), accept_lens.tolist(),
                                       result.logits_output.hidden_states, n)
+        # the outcome goes to the draft now, so its answer overlaps SGLang's work until the next round
+        self.link.send_ahead(reqs, accept_lens.tolist(), out_tokens.tolist(), draft_temps.tolist())
         t_end = time.perf_counter()
         self.link.record(accept_lens.tolist(), verify_s=t_accept - t_verify, accept_s=t_end - t_accept,
                          t_start=t_start, t_end=t_end, hits=prop.hit.tolist())

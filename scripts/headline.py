@@ -100,7 +100,8 @@ def markdown(rows: list[dict], machine: dict, sources: list[str]) -> str:
     L = ["# Headline: AR vs SD vs SSD (CPU miniature)", "",
          f"{machine['cpu']}, {machine['cores']} cores; torch {machine['torch']}, SGLang {machine['sglang']}; target on "
          "core 0, draft on core 1; SmolLM2-135M-Instruct fp32 target, the default trained draft; 64 tokens per "
-         "request (EOS ignored); K as each server chose it (no --speculative-num-steps: measured at launch); "
+         "request (EOS ignored); K per server in the K column (a run's variants either name K or 'auto': no "
+         "--speculative-num-steps, measured at launch); "
          "medians over repeats, ratios = medians of per-repeat ratios on the same prompts. From "
          + ", ".join(f"`{s}`" for s in sources) + " (scripts/headline.py).", "",
          "| T | b | AR tok/s | SD tok/s | SSD tok/s | K (SD/SSD) | SSD/SD | SSD/AR | SD/AR | SSD/AR by Thm 7 | "

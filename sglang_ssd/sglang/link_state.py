@@ -88,7 +88,7 @@ def assemble_proposal(bs: int, k: int, vocab_size: int, device, pieces) -> Propo
         part = reply_q16(q, reply.q_ids, rows_b, bs, k, vocab_size, device)
         q16 = part if q16 is None else q16 + part
         q_valid[rows_b] = True
-        q_sums[rows_b] = torch.from_numpy(np.ascontiguousarray(q).sum(axis=-1, dtype=np.float64)).to(torch.float32)
+        q_sums[rows_b] = reply_q_sums(q, rows_b, bs, k, "cpu")[rows_b]
     return Proposal(tokens, q16, q_valid, max_accept, hit, 0.0, None if q16 is None else q_sums.to(device))
 
 

@@ -49,7 +49,7 @@ send_ahead             ``SGLANG_SSD_CONFIG["send_ahead"]``         true: tell th
 spawn_draft            ``SGLANG_SSD_CONFIG["spawn_draft"]``        true: start the draft process
                                                                    bound to draft_endpoint; false:
                                                                    connect to a running one there
-draft_dtype            ``SGLANG_SSD_CONFIG["draft_dtype"]``        "auto" (bfloat16 on cuda, float32 on cpu)
+draft_dtype            ``SGLANG_SSD_CONFIG["draft_dtype"]``        "auto" (bfloat16 on cuda; on cpu bfloat16 where measured faster, else float32)
 draft_cpu_core         ``SGLANG_SSD_CONFIG["draft_cpu_core"]``     last core (CPU draft)
 target_cpu_core        ``SGLANG_SSD_CONFIG["target_cpu_core"]``    null (no pinning)
 draft_threads          ``SGLANG_SSD_CONFIG["draft_threads"]``      1

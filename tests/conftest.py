@@ -10,6 +10,9 @@ from sglang_ssd import paths
 # GPU tests) SGLang must keep its CUDA platform
 if not torch.cuda.is_available():
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+# draft_dtype auto on a CPU measures whether bf16 pays (draft/cpu_dtype.py); the suite pins float32 so its
+# numerics checks (tree vs chain, vs transformers) do not depend on the CPU model (test_cpu_dtype unpins it)
+os.environ.setdefault("SGLANG_SSD_DRAFT_CPU_DTYPE", "float32")
 
 
 def _prepared(path: str) -> str:

@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 import torch
 
 from sglang_ssd.draft.attention import AttnSeq, BatchAttention
+from sglang_ssd.draft.cpu_dtype import cpu_auto_dtype
 from sglang_ssd.draft.eagle3 import Eagle3Draft, load_draft
 from sglang_ssd.draft.features import FeatureBuffer, parents_of, split_extend
 from sglang_ssd.draft.flashinfer_attention import select_backend
@@ -41,12 +42,12 @@ POOL_TOKENS = 1 << 16   # initial paged-pool size on GPU (grows by doubling; gro
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:
-    """'auto' -> bfloat16 on CUDA (half the memory traffic, what FlashInfer needs), float32 on CPU
-    (CPUs without AMX/AVX512-BF16 run bf16 matmuls slower than fp32)."""
+    """'auto' -> bfloat16 on CUDA (half the memory traffic, what FlashInfer needs); on a CPU bfloat16 where
+    its bf16 GEMMs are measured faster than float32 ones (AMX / AVX512-BF16), else float32 (cpu_dtype.py)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        return torch.bfloat16 if torch.device(device).type == "cuda" else cpu_auto_dtype()
     return DTYPES[dtype]
 
 

@@ -1,0 +1,31 @@
+#!/usr/bin/env python
+"""The draft's forward in float32 vs bfloat16 on one CPU core, and the target's forward beside it (interference).
+
+    taskset -c 1 python scripts/bench_draft_dtype.py draft f32|bf16 ROWS SECONDS   # draft forwards in a loop
+    taskset -c 0 python scripts/bench_draft_dtype.py target [TOKENS]              # target forward, median ms
+Run the target alone, then with a draft loop on the other core (results/draft_cpu_dtype.md).
+"""
+import sys, time, statistics, torch, os
+from sglang_ssd.draft.model import load_model
+torch.set_num_threads(1)
+M = os.path.expanduser("~/.cache/sglang-ssd/models/")
+role = sys.argv[1]
+if role == "target":
+    m = load_model(M + "smollm2-135m-instruct", dtype=torch.float32).eval()
+    x = torch.randint(0, 49000, (1, int(sys.argv[2]) if len(sys.argv) > 2 else 4))
+    ts = []
+    with torch.no_grad():
+        for i in range(60):
+            t = time.perf_counter(); h = m.forward_padded(x); m.logits(h[:, -1]); ts.append(time.perf_counter() - t)
+    ts = ts[10:]
+    print(f"target fwd ms median {statistics.median(ts)*1e3:.2f} p10 {sorted(ts)[len(ts)//10]*1e3:.2f}", flush=True)
+else:
+    dt = {"f32": torch.float32, "bf16": torch.bfloat16}[sys.argv[2]]
+    rows = int(sys.argv[3])
+    m = load_model(os.path.expanduser('~/.cache/sglang-ssd/models/smollm2-135m-draft'), dtype=dt).eval()
+    x = torch.randint(0, 8000, (rows, 4))
+    n = 0; t0 = time.perf_counter()
+    with torch.no_grad():
+        while time.perf_counter() - t0 < float(sys.argv[4]):
+            h = m.forward_padded(x); m.logits(h[:, -1]); n += 1
+    print(f"draft {sys.argv[2]} rows {rows}: {n} fwd, {(time.perf_counter()-t0)/n*1e3:.2f} ms each", flush=True)

@@ -5,13 +5,21 @@
     taskset -c 0 python scripts/bench_draft_dtype.py target [TOKENS]              # target forward, median ms
 Run the target alone, then with a draft loop on the other core (results/draft_cpu_dtype.md).
 """
-import sys, time, statistics, torch, os
-from sglang_ssd.draft.model import load_model
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from sglang_ssd import paths  # noqa: E402
+from sglang_ssd.draft.model import load_model  # noqa: E402
+
 torch.set_num_threads(1)
-M = os.path.expanduser("~/.cache/sglang-ssd/models/")
 role = sys.argv[1]
 if role == "target":
-    m = load_model(M + "smollm2-135m-instruct", dtype=torch.float32).eval()
+    m = load_model(paths.target_path(), dtype=torch.float32).eval()
     x = torch.randint(0, 49000, (1, int(sys.argv[2]) if len(sys.argv) > 2 else 4))
     ts = []
     with torch.no_grad():
@@ -22,7 +30,7 @@ if role == "target":
 else:
     dt = {"f32": torch.float32, "bf16": torch.bfloat16}[sys.argv[2]]
     rows = int(sys.argv[3])
-    m = load_model(os.path.expanduser('~/.cache/sglang-ssd/models/smollm2-135m-draft'), dtype=dt).eval()
+    m = load_model(paths.draft_path(), dtype=dt).eval()
     x = torch.randint(0, 8000, (rows, 4))
     n = 0; t0 = time.perf_counter()
     with torch.no_grad():

@@ -49,7 +49,6 @@ def test_auto_follows_the_measurement_once(fresh_choice, times, want):
 
 def test_resolve_dtype_auto_on_cpu_is_the_measured_choice_and_explicit_stands(fresh_choice, monkeypatch):
     monkeypatch.setattr(cpu_dtype, "measure", lambda: (1.0, 0.25))
-    monkeypatch.setattr(cpu_dtype.cpu_auto_dtype, "__defaults__", (cpu_dtype.measure,))
     assert resolve_dtype("auto", "cpu") is torch.bfloat16
     assert resolve_dtype("float32", "cpu") is torch.float32
     assert resolve_dtype(torch.float16, "cpu") is torch.float16

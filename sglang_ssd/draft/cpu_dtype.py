@@ -18,31 +18,20 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
+from sglang_ssd.cpu.small_m_linear import _best_time  # warm-up call, then the best of a few timed calls
+
 logger = logging.getLogger(__name__)
 
 ROWS, HIDDEN, OUT = 16, 576, 1536
-REPS, ROUNDS = 8, 5
 PAYS = 0.8  # bf16 must take <= 0.8x the float32 time (a clear win, not noise)
 _CHOICE: Optional[torch.dtype] = None  # measured once per process
 ENV = "SGLANG_SSD_DRAFT_CPU_DTYPE"
 FIXED = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def _best_time(fn: Callable[[], torch.Tensor]) -> float:
-    fn()  # warm-up: oneDNN picks and caches its kernel on first use
-    best = float("inf")
-    for _ in range(ROUNDS):
-        t0 = time.perf_counter()
-        for _ in range(REPS):
-            fn()
-        best = min(best, time.perf_counter() - t0)
-    return best / REPS
 
 
 def measure() -> tuple[float, float]:
@@ -51,7 +40,7 @@ def measure() -> tuple[float, float]:
     with torch.no_grad():
         for dt in (torch.float32, torch.bfloat16):
             x, w = torch.full((ROWS, HIDDEN), 0.5, dtype=dt), torch.full((OUT, HIDDEN), 0.01, dtype=dt)
-            times.append(_best_time(lambda: F.linear(x, w)))
+            times.append(_best_time("draft dtype", lambda: F.linear(x, w)))
     return times[0], times[1]
 
 
@@ -59,8 +48,9 @@ def decide(t_f32: float, t_bf16: float) -> torch.dtype:
     return torch.bfloat16 if t_bf16 <= PAYS * t_f32 else torch.float32
 
 
-def cpu_auto_dtype(timer: Callable[[], tuple[float, float]] = measure) -> torch.dtype:
-    """The dtype ``auto`` means for a CPU draft in this process (measured on first call, then cached)."""
+def cpu_auto_dtype(timer: Optional[Callable[[], tuple[float, float]]] = None) -> torch.dtype:
+    """The dtype ``auto`` means for a CPU draft in this process (measured on first call, then cached);
+    timer: what measures (default ``measure``)."""
     global _CHOICE
     raw = os.environ.get(ENV, "measure").strip().lower()
     if raw in FIXED:
@@ -68,7 +58,7 @@ def cpu_auto_dtype(timer: Callable[[], tuple[float, float]] = measure) -> torch.
     if raw != "measure":
         raise ValueError(f"{ENV}={raw!r}: expected measure, float32 or bfloat16")
     if _CHOICE is None:
-        t_f32, t_bf16 = timer()
+        t_f32, t_bf16 = (timer or measure)()
         _CHOICE = decide(t_f32, t_bf16)
         logger.info("draft dtype auto on CPU: %s (a [%d, %d] x [%d, %d] product: float32 %.3f ms, bfloat16 %.3f ms)",
                     str(_CHOICE).replace("torch.", ""), ROWS, HIDDEN, HIDDEN, OUT, t_f32 * 1e3, t_bf16 * 1e3)

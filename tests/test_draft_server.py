@@ -490,7 +490,10 @@ def test_reduced_head_q_travels_over_the_head_ids_and_equals_the_dense_law():
     """A draft whose head covers 40 of the 96 ids (rows stored unsorted): sampling, cache storage and the
     wire carry q over those ids only (q_ids = the sorted head ids, width 40); scattered back it equals the
     sequential softmax over the full vocabulary (zero elsewhere), for cache hits and backups.  A fast
-    backup's row may copy an id outside the head: that reply goes dense."""
+    backup's row may copy an id outside the head: that reply's q travels over the head's ids plus those
+    (its random tokens are drawn from the head's ids), dense only when that is every id."""
+    from sglang_ssd.saguaro.ngram import NgramIndex
+
     head = random.Random(5).sample(range(V), 40)
     runner = DraftRunner.from_dir(make_reduced_head_model(head, vocab_size=V, seed=3))
     assert runner.n_cols == 40 and runner.cols.tolist() == sorted(head)
@@ -520,8 +523,28 @@ def test_reduced_head_q_travels_over_the_head_ids_and_equals_the_dense_law():
     e2 = DraftEngine(runner, seed=2)
     e2.hello(Hello(PROTOCOL_VERSION, "t", K, "sync", FAN, V, [1], None, "fast"))
     t2 = Target(e2, {"r0": 1.0, "r1": 0.0, "r2": 1.0})
-    _, reply = t2.step({r: (-1, PROMPTS[r][1]) for r in PROMPTS})
-    assert len(reply.q_ids) == 0 and reply.q.shape == (2, K, V)
+    uniform = torch.zeros(V).index_fill_(0, torch.as_tensor(head), 1.0 / len(head))
+    outcomes, widths = {r: (-1, PROMPTS[r][1]) for r in PROMPTS}, []
+    for rnd in range(4):
+        rids, reply = t2.step(outcomes)
+        ids = reply.q_ids.tolist()
+        assert ids == sorted(ids) and set(head) <= set(ids) and reply.q.shape == (2, K, len(ids))
+        widths.append(len(ids))
+        for i, r in enumerate(rids):
+            if t2.temps[r] == 0:
+                continue
+            copies, is_random = NgramIndex(4, 1, tokens=t2.ctx[r]).propose(K, V)
+            q = dequantize_proposal(torch.as_tensor(np.asarray(reply.q_for_row(i, V))))
+            for j, (tok, x) in enumerate(zip(t2.spec[r], is_random)):
+                if x:  # drawn from the head's ids, q uniform over them
+                    assert tok in head and torch.equal(q[j], uniform)
+                else:  # a copy (maybe of an id outside the head), q one-hot
+                    assert tok == copies[j] and q[j, tok] == 1.0 and q[j].sum() == 1.0
+        outcomes = {r: (rng.randint(-1, K), rng.randrange(V)) for r in rids}
+    assert max(widths) > len(head) and min(widths) < V  # copies outside the head travelled, sparse
+    everything = torch.full((K, V), 1.0 / V).half()  # a row that uses every id: the reply goes dense
+    q, q_ids = e2._wire_q([everything, torch.zeros(K, len(head)).half()], K)
+    assert len(q_ids) == 0 and q.shape == (2, K, V) and np.array_equal(q[0], everything.numpy())
 
 
 def test_fast_backup_proposes_ngram_copies_with_their_true_q(runner):

@@ -140,6 +140,7 @@ def run(pair, path: str, temp: float, seed: int, broken: str = "", verifier: str
     outcome = {r: (0, x) for r, x in zip(rids, x1)}
     live, late_misses, rounds, hits, fast_rows = list(rids), 0, 0, 0, 0
     missed = set()
+    wide_ids = set()  # hybrid: ids outside the head its copies used (the union's sparse form: test_wire_q.py)
     while live:
         rnd += 1
         reply = e.speculate(_spec(rnd, live, [outcome[r][0] for r in live], [outcome[r][1] for r in live],
@@ -155,8 +156,14 @@ def run(pair, path: str, temp: float, seed: int, broken: str = "", verifier: str
             late_misses += int((~reply.hit).sum())
         rounds += len(live)
         drafts = torch.as_tensor(reply.tokens)
-        # a hybrid row's q is dense over V (its copied tail may leave the reduced head's ids)
-        assert reply.q.shape[2] == (V if path == "hybrid" else n_cols)
+        # a hybrid row's q travels over the head's ids plus the ids its copied tail uses outside them
+        # (its random tokens come from the head's ids); dense (no q_ids) only if that is every id
+        if path == "hybrid":
+            ids = reply.q_ids.tolist() or list(range(V))
+            assert reply.q.shape[2] == len(ids) and set(REDUCED_HEAD) <= set(ids)
+            wide_ids |= set(ids) - set(REDUCED_HEAD)
+        else:
+            assert reply.q.shape[2] == n_cols
         assert path != "reduced" or reply.q_ids.tolist() == sorted(REDUCED_HEAD)
         # the worker's own assembly (DraftLink): the wire values scattered over V
         q = reply_q16(reply.q, reply.q_ids, torch.as_tensor(reply.q_rows), len(live), K, V, "cpu")
@@ -197,6 +204,7 @@ def run(pair, path: str, temp: float, seed: int, broken: str = "", verifier: str
         assert e.stats.builds_cut == e.stats.builds and hits > 0
     assert path not in ("hitfast", "hybrid", "hithybrid") or fast_rows > 0
     assert "hybrid" not in path or e.backups.rows["hybrid"] == fast_rows + N  # + the first round's N
+    assert path != "hybrid" or wide_ids  # copies of ids outside the head really travelled
     assert not eagle or e.stats.feature_rows > N * len(PROMPT)
     pure = path in ("hit", "cut", "eaglehit")
     # hit path: only step 3 can miss, and only through the odd outcome x1 == s1 (conditions on x1 only)

@@ -42,8 +42,10 @@ def fast_backup(states: Sequence[RequestState], k: int, vocab_size: int,
     for the first h positions; the n-gram copy then continues after them (context + head), and the
     head's q rows (over the draft's column space, W = len(cols) or V) are scattered to V.  Copied tail
     tokens are a deterministic function of context + head, so their one-hot q is the exact conditional
-    proposal, as in the pure fast kind."""
+    proposal, as in the pure fast kind.  With cols (a reduced head) random tokens are drawn from the head's
+    ids, so a row's q is nonzero only there and at its copied tokens (the reply's q stays sparse)."""
     m = len(states)
+    cols = None if cols is None else cols.cpu()
     toks = torch.zeros(m, k, dtype=torch.long)
     h = 0 if head is None else int(head[0].shape[1])
     q16 = None
@@ -52,20 +54,20 @@ def fast_backup(states: Sequence[RequestState], k: int, vocab_size: int,
             st.ngram = NgramIndex(NGRAM_MAX_N, NGRAM_MIN_N)
         st.ngram.extend(st.tokens[len(st.ngram):])  # contexts only grow (a new prefill makes a new state)
         lead = [] if head is None else head[0][i].tolist()
-        proposed, is_random = (st.ngram.propose_after(lead, k - h, vocab_size, generator) if h
-                               else st.ngram.propose(k, vocab_size, generator))
+        proposed, is_random = (st.ngram.propose_after(lead, k - h, vocab_size, generator, ids=cols) if h
+                               else st.ngram.propose(k, vocab_size, generator, ids=cols))
         toks[i] = torch.as_tensor(lead + proposed)
         if st.temperature > 0:
             if q16 is None:
                 q16 = torch.zeros(m, k, vocab_size, dtype=torch.float16)
             # one-hot / uniform rows survive float16 exactly (a uniform row stays uniform after renormalising)
-            q16[i, h:] = quantize_proposal(proposal_rows(proposed, is_random, vocab_size))
+            q16[i, h:] = quantize_proposal(proposal_rows(proposed, is_random, vocab_size, ids=cols))
             if h:
                 qh = head[1][i].to(device="cpu", dtype=torch.float16)
                 if cols is None:
                     q16[i, :h] = qh
                 else:
-                    q16[i, :h].index_copy_(1, cols.cpu(), qh)
+                    q16[i, :h].index_copy_(1, cols, qh)
     return toks, q16
 
 

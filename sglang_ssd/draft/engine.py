@@ -273,7 +273,8 @@ class DraftEngine:
         t_b = time.perf_counter()
         kind = self.backups.choose(n) if missed else "neural"
         if missed and kind == "fast":
-            toks, qs = fast_backup([states[i] for i in missed], k_spec, self.runner.vocab_size, self.gen)
+            toks, qs = fast_backup([states[i] for i in missed], k_spec, self.runner.vocab_size, self.gen,
+                                   cols=self.runner.cols)
             raw = None
         elif missed and kind == "hybrid":  # one draft-model step, n-gram copy after it
             sub = [states[i] for i in missed]
@@ -312,20 +313,30 @@ class DraftEngine:
 
     def _wire_q(self, rows: list[torch.Tensor], k_spec: int) -> tuple[np.ndarray, np.ndarray]:
         """The reply's q rows -> (q [m, K, W] float16, q_ids): over the head's own ids when every row is in
-        the column space (cache entries, neural backups); dense over V when a fast backup's row is
-        (its copies may be ids the head does not cover), the column rows scattered to V."""
+        the column space (cache entries, neural backups).  A fast / hybrid backup's row is dense over V
+        (a copied token may be an id the head lacks): then q travels over the head's ids plus the ids
+        those rows use outside them (their random tokens come from the head's ids); empty q_ids (dense)
+        if that is every id.  Every row keeps its values; the ids it leaves out are exactly 0."""
         cols, v = self.runner.cols, self.runner.vocab_size
         if not rows:
             w = v if cols is None else int(cols.numel())
             return np.zeros((0, k_spec, w), dtype=np.float16), self._q_ids
         if cols is None or all(r.shape[-1] == cols.numel() for r in rows):
             return torch.stack(rows).cpu().numpy(), self._q_ids
-        dense = []
-        for r in rows:
-            if r.shape[-1] != v:
-                r = torch.zeros(k_spec, v, dtype=r.dtype, device=r.device).index_copy_(1, cols, r)
-            dense.append(r)
-        return torch.stack(dense).cpu().numpy(), np.zeros(0, dtype=np.int64)
+        rows = [r.cpu() for r in rows]
+        cols = cols.cpu()
+        used = torch.stack([r for r in rows if r.shape[-1] == v]).ne(0).flatten(0, -2).any(0)
+        used[cols] = True
+        ids = used.nonzero().squeeze(1)  # sorted, strictly increasing
+        at = torch.searchsorted(ids, cols)  # where each head id sits among ids
+        out = torch.zeros(len(rows), k_spec, int(ids.numel()), dtype=torch.float16)
+        for i, r in enumerate(rows):
+            if r.shape[-1] == v:
+                out[i] = r[:, ids]
+            else:
+                out[i].index_copy_(1, at, r)
+        wire_ids = np.zeros(0, dtype=np.int64) if ids.numel() == v else ids.numpy().astype(np.int64)
+        return out.numpy(), wire_ids
 
     def _decode_backup(self, states: Sequence[RequestState], keep_logits: bool = True, steps: Optional[int] = None):
         """Just-in-time K-token decode (or the first `steps` tokens) from each state's context, batched

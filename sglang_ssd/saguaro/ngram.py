@@ -9,7 +9,8 @@ stops there.  Positions left without a copy are filled with uniform random token
 Proposal distribution q for exact verification (notes 2.7):
 * a copied token is a deterministic function of the context and the earlier proposed tokens
   -> q(. | prefix) = one-hot(token);
-* a random token is drawn uniformly, independent of everything else -> q = 1/V.
+* a random token is drawn uniformly, independent of everything else -> q = 1/V (or, drawn from a
+  reduced draft head's W ids, 1/W on them and 0 elsewhere).
 ``proposal_rows`` builds these rows; passing them to ``verify_chain`` keeps sampling exact
 (q = one-hot is also what ``q=None`` / ``q_valid=False`` rows mean there).  Using the uniform row for
 random tokens rather than one-hot is exact too and accepts more often: min(1, V p(d)) >= p(d).
@@ -60,12 +61,16 @@ def _copy(tokens: Sequence[int], e: int, k: int, self_extend: bool) -> list[int]
     return out
 
 
-def _pad(proposed: list[int], k: int, vocab_size: int,
-         generator: Optional[torch.Generator]) -> tuple[list[int], list[bool]]:
+def _pad(proposed: list[int], k: int, vocab_size: int, generator: Optional[torch.Generator],
+         ids: Optional[torch.Tensor] = None) -> tuple[list[int], list[bool]]:
+    """Fill up to k with random tokens: uniform over the vocabulary, or over ``ids`` when given (a reduced
+    draft head's ids: q then stays inside them, and so does the reply's sparse q)."""
     n_rand = k - len(proposed)
     is_random = [False] * len(proposed) + [True] * n_rand
     if n_rand > 0:
-        proposed = proposed + torch.randint(0, vocab_size, (n_rand,), generator=generator).tolist()
+        n = vocab_size if ids is None else int(ids.numel())
+        r = torch.randint(0, n, (n_rand,), generator=generator)
+        proposed = proposed + (r if ids is None else ids.cpu()[r]).tolist()
     return proposed, is_random
 
 
@@ -121,14 +126,15 @@ class NgramIndex:
                 return n, e
         return 0, -1
 
-    def propose(self, k: int, vocab_size: int,
-                generator: Optional[torch.Generator] = None) -> tuple[list[int], list[bool]]:
+    def propose(self, k: int, vocab_size: int, generator: Optional[torch.Generator] = None,
+                ids: Optional[torch.Tensor] = None) -> tuple[list[int], list[bool]]:
         n, e = self.match()
         copied = _copy(self.tokens, e, k, self.self_extend) if n > 0 else []
-        return _pad(copied, k, vocab_size, generator)
+        return _pad(copied, k, vocab_size, generator, ids)
 
     def propose_after(self, extra: Sequence[int], k: int, vocab_size: int,
-                      generator: Optional[torch.Generator] = None) -> tuple[list[int], list[bool]]:
+                      generator: Optional[torch.Generator] = None,
+                      ids: Optional[torch.Tensor] = None) -> tuple[list[int], list[bool]]:
         """As ``propose`` for the context tokens + extra, leaving the index as it is (extra = tokens
         already proposed this round by someone else).  The same proposal as NgramSpeculator over
         tokens + extra, except that only n-grams followed by a context token are copy sources."""
@@ -137,15 +143,21 @@ class NgramIndex:
         for n in range(min(self.max_n, n_len - 1), self.min_n - 1, -1):
             e = self.index[n].get(tuple(ext[n_len - n:]))
             if e is not None:
-                return _pad(_copy(ext, e, k, self.self_extend), k, vocab_size, generator)
-        return _pad([], k, vocab_size, generator)
+                return _pad(_copy(ext, e, k, self.self_extend), k, vocab_size, generator, ids)
+        return _pad([], k, vocab_size, generator, ids)
 
 
 def proposal_rows(tokens: Sequence[int], is_random: Sequence[bool], vocab_size: int,
-                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
-    """True proposal q [k, V] of an n-gram proposal: one-hot(token) for copies, 1/V for random."""
+                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                  ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """True proposal q [k, V] of an n-gram proposal: one-hot(token) for copies, uniform for random tokens
+    (1/V, or 1/len(ids) at ``ids`` and 0 elsewhere when they were drawn from ids)."""
     k = len(tokens)
     q = torch.zeros(k, vocab_size, dtype=dtype, device=device)
     rand = torch.as_tensor(list(is_random), dtype=torch.bool, device=device).view(k, 1)
     q.scatter_(1, torch.as_tensor(list(tokens), dtype=torch.long, device=device).view(k, 1), 1.0)
-    return torch.where(rand, torch.full_like(q, 1.0 / vocab_size), q)
+    if ids is None:
+        uniform = torch.full_like(q[:1], 1.0 / vocab_size)
+    else:
+        uniform = torch.zeros_like(q[:1]).index_fill_(1, ids.to(device=q.device), 1.0 / int(ids.numel()))
+    return torch.where(rand, uniform, q)

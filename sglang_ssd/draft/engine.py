@@ -324,17 +324,18 @@ class DraftEngine:
         if cols is None or all(r.shape[-1] == cols.numel() for r in rows):
             return torch.stack(rows).cpu().numpy(), self._q_ids
         rows = [r.cpu() for r in rows]
-        cols = cols.cpu()
-        used = torch.stack([r for r in rows if r.shape[-1] == v]).ne(0).flatten(0, -2).any(0)
-        used[cols] = True
+        wide = [i for i, r in enumerate(rows) if r.shape[-1] == v]
+        narrow = [i for i, r in enumerate(rows) if r.shape[-1] != v]
+        dense = torch.stack([rows[i] for i in wide])
+        used = dense.flatten(0, -2).amax(0) > 0  # q >= 0: an id is used iff some row is > 0 there
+        used[cols.cpu()] = True
         ids = used.nonzero().squeeze(1)  # sorted, strictly increasing
-        at = torch.searchsorted(ids, cols)  # where each head id sits among ids
         out = torch.zeros(len(rows), k_spec, int(ids.numel()), dtype=torch.float16)
-        for i, r in enumerate(rows):
-            if r.shape[-1] == v:
-                out[i] = r[:, ids]
-            else:
-                out[i].index_copy_(1, at, r)
+        out[wide] = dense[:, :, ids]
+        if narrow:  # rows over the head's ids: each head id's place among ids
+            at = (used.cumsum(0) - 1)[cols.cpu()]
+            out[narrow] = torch.zeros(len(narrow), k_spec, int(ids.numel()), dtype=torch.float16).index_copy_(
+                2, at, torch.stack([rows[i] for i in narrow]))
         wire_ids = np.zeros(0, dtype=np.int64) if ids.numel() == v else ids.numpy().astype(np.int64)
         return out.numpy(), wire_ids
 

@@ -492,6 +492,7 @@ def test_reduced_head_q_travels_over_the_head_ids_and_equals_the_dense_law():
     sequential softmax over the full vocabulary (zero elsewhere), for cache hits and backups.  A fast
     backup's row may copy an id outside the head: that reply's q travels over the head's ids plus those
     (its random tokens are drawn from the head's ids), dense only when that is every id."""
+    from sglang_ssd.draft.wire_q import wire_q
     from sglang_ssd.saguaro.ngram import NgramIndex
 
     head = random.Random(5).sample(range(V), 40)
@@ -543,7 +544,7 @@ def test_reduced_head_q_travels_over_the_head_ids_and_equals_the_dense_law():
         outcomes = {r: (rng.randint(-1, K), rng.randrange(V)) for r in rids}
     assert max(widths) > len(head) and min(widths) < V  # copies outside the head travelled, sparse
     everything = torch.full((K, V), 1.0 / V).half()  # a row that uses every id: the reply goes dense
-    q, q_ids = e2._wire_q([everything, torch.zeros(K, len(head)).half()], K)
+    q, q_ids = wire_q([everything, torch.zeros(K, len(head)).half()], K, runner.cols, V, e2._q_ids)
     assert len(q_ids) == 0 and q.shape == (2, K, V) and np.array_equal(q[0], everything.numpy())
 
 

@@ -28,6 +28,7 @@ from sglang_ssd.draft.fanout import LiveFanOut
 from sglang_ssd.draft.sampling import sample_rows
 from sglang_ssd.draft.spec_cache import SpecCache
 from sglang_ssd.draft.state import RequestState
+from sglang_ssd.draft.wire_q import wire_q
 from sglang_ssd.protocol import (PROTOCOL_VERSION, Ack, Hello, HelloReply, Prefill, Release,
                                  Speculate, SpecReply)
 
@@ -297,7 +298,7 @@ class DraftEngine:
         if s.mode == "async":
             self.pending = [(st, jit_logits.get(i)) for i, st in enumerate(states)]
         q_rows = [i for i in range(n) if msg.temperatures[i] > 0]
-        q, q_ids = self._wire_q([q16[i] for i in q_rows], k_spec)
+        q, q_ids = wire_q([q16[i] for i in q_rows], k_spec, self.runner.cols, self.runner.vocab_size, self._q_ids)
         st_ = self.stats
         st_.rounds += 1
         st_.rows += n
@@ -310,34 +311,6 @@ class DraftEngine:
         return SpecReply(round_id=msg.round_id, tokens=tokens.numpy(), hit=hit,
                          q_rows=np.asarray(q_rows, dtype=np.int64), q=q, q_ids=q_ids, answer_ms=answer_ms,
                          backup_ms=backup_ms, fast_rows=len(missed) if kind != "neural" else 0, **built)
-
-    def _wire_q(self, rows: list[torch.Tensor], k_spec: int) -> tuple[np.ndarray, np.ndarray]:
-        """The reply's q rows -> (q [m, K, W] float16, q_ids): over the head's own ids when every row is in
-        the column space (cache entries, neural backups).  A fast / hybrid backup's row is dense over V
-        (a copied token may be an id the head lacks): then q travels over the head's ids plus the ids
-        those rows use outside them (their random tokens come from the head's ids); empty q_ids (dense)
-        if that is every id.  Every row keeps its values; the ids it leaves out are exactly 0."""
-        cols, v = self.runner.cols, self.runner.vocab_size
-        if not rows:
-            w = v if cols is None else int(cols.numel())
-            return np.zeros((0, k_spec, w), dtype=np.float16), self._q_ids
-        if cols is None or all(r.shape[-1] == cols.numel() for r in rows):
-            return torch.stack(rows).cpu().numpy(), self._q_ids
-        rows = [r.cpu() for r in rows]
-        wide = [i for i, r in enumerate(rows) if r.shape[-1] == v]
-        narrow = [i for i, r in enumerate(rows) if r.shape[-1] != v]
-        dense = torch.stack([rows[i] for i in wide])
-        used = dense.flatten(0, -2).amax(0) > 0  # q >= 0: an id is used iff some row is > 0 there
-        used[cols.cpu()] = True
-        ids = used.nonzero().squeeze(1)  # sorted, strictly increasing
-        out = torch.zeros(len(rows), k_spec, int(ids.numel()), dtype=torch.float16)
-        out[wide] = dense[:, :, ids]
-        if narrow:  # rows over the head's ids: each head id's place among ids
-            at = (used.cumsum(0) - 1)[cols.cpu()]
-            out[narrow] = torch.zeros(len(narrow), k_spec, int(ids.numel()), dtype=torch.float16).index_copy_(
-                2, at, torch.stack([rows[i] for i in narrow]))
-        wire_ids = np.zeros(0, dtype=np.int64) if ids.numel() == v else ids.numpy().astype(np.int64)
-        return out.numpy(), wire_ids
 
     def _decode_backup(self, states: Sequence[RequestState], keep_logits: bool = True, steps: Optional[int] = None):
         """Just-in-time K-token decode (or the first `steps` tokens) from each state's context, batched

@@ -13,7 +13,8 @@ Proposal distribution q for exact verification (notes 2.7):
   reduced draft head's W ids, 1/W on them and 0 elsewhere).
 ``proposal_rows`` builds these rows; passing them to ``verify_chain`` keeps sampling exact
 (q = one-hot is also what ``q=None`` / ``q_valid=False`` rows mean there).  Using the uniform row for
-random tokens rather than one-hot is exact too and accepts more often: min(1, V p(d)) >= p(d).
+random tokens rather than one-hot is exact too and accepts more often: min(1, V p(d)) >= p(d)
+(min(1, W p(d)) for a token drawn uniformly from a reduced head's W ids).
 """
 
 from __future__ import annotations

@@ -543,9 +543,19 @@ def test_reduced_head_q_travels_over_the_head_ids_and_equals_the_dense_law():
                     assert tok == copies[j] and q[j, tok] == 1.0 and q[j].sum() == 1.0
         outcomes = {r: (rng.randint(-1, K), rng.randrange(V)) for r in rids}
     assert max(widths) > len(head) and min(widths) < V  # copies outside the head travelled, sparse
-    everything = torch.full((K, V), 1.0 / V).half()  # a row that uses every id: the reply goes dense
-    q, q_ids = wire_q([everything, torch.zeros(K, len(head)).half()], K, runner.cols, V, e2._q_ids)
-    assert len(q_ids) == 0 and q.shape == (2, K, V) and np.array_equal(q[0], everything.numpy())
+    # copies that use every id outside the head (one per row and depth): the reply goes dense, each copy
+    # one-hot at its id and every row's values over the head's ids placed at those ids
+    rest = [t for t in range(V) if t not in head]
+    m = -(-len(rest) // K)
+    rows = [torch.rand(K, len(head)).half() for _ in range(m)]
+    outside = [(j // K, j % K, t) for j, t in enumerate(rest)]
+    q, q_ids = wire_q(rows, K, runner.cols, V, e2._q_ids, outside)
+    assert len(q_ids) == 0 and q.shape == (m, K, V)
+    for r, d, t in outside:
+        assert q[r, d, t] == 1.0
+    cols = runner.cols.tolist()
+    assert np.array_equal(q[:, :, cols], torch.stack(rows).numpy())
+    assert np.count_nonzero(np.delete(q, cols, axis=2)) == len(rest)  # nothing else outside the head
 
 
 def test_fast_backup_proposes_ngram_copies_with_their_true_q(runner):

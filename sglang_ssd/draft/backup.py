@@ -25,8 +25,7 @@ import torch
 from sglang_ssd.draft.state import RequestState
 from sglang_ssd.protocol import BACKUPS
 from sglang_ssd.saguaro.backup_policy import BackupPolicy
-from sglang_ssd.saguaro.ngram import NgramIndex, proposal_rows
-from sglang_ssd.saguaro.proposal import quantize_proposal
+from sglang_ssd.saguaro.ngram import NgramIndex
 
 NGRAM_MAX_N, NGRAM_MIN_N = 4, 1
 
@@ -34,21 +33,26 @@ NGRAM_MAX_N, NGRAM_MIN_N = 4, 1
 def fast_backup(states: Sequence[RequestState], k: int, vocab_size: int,
                 generator: Optional[torch.Generator],
                 head: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None,
-                cols: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """-> tokens [m, K] long, q16 [m, K, V] float16 (None if every row is greedy; greedy rows' q rows
-    are zero).  The n-gram index of each request grows incrementally with its context.
+                cols: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, Optional[torch.Tensor], list[tuple[int, int, int]]]:
+    """-> (tokens [m, K] long, q16 [m, K, W] float16 over the draft's column space (W = len(cols), or V
+    without a reduced head; None if every row is greedy; greedy rows' q rows are zero), outside).  The
+    n-gram index of each request grows incrementally with its context.
 
-    head (the "hybrid" kind): (tokens [m, h], q16 [m, h, W] or None) the draft model already proposed
-    for the first h positions; the n-gram copy then continues after them (context + head), and the
-    head's q rows (over the draft's column space, W = len(cols) or V) are scattered to V.  Copied tail
-    tokens are a deterministic function of context + head, so their one-hot q is the exact conditional
-    proposal, as in the pure fast kind.  With cols (a reduced head) random tokens are drawn from the head's
-    ids, so a row's q is nonzero only there and at its copied tokens (the reply's q stays sparse)."""
+    A random token is drawn uniformly from the columns (q = 1/W on each); a copied token's q is one-hot at
+    it: in its column when the head has that id, else the row over the columns is 0 at that depth and
+    (row, depth, token) is listed in ``outside`` (a copy may be an id a reduced head lacks; wire_q adds
+    those ids to the reply).  head (the "hybrid" kind): (tokens [m, h], q16 [m, h, W] or None) the draft
+    model already proposed for the first h positions; the n-gram copy then continues after them (context
+    + head).  Copied tail tokens are a deterministic function of context + head, so their one-hot q is the
+    exact conditional proposal, as in the pure fast kind."""
     m = len(states)
     cols = None if cols is None else cols.cpu()
+    w = vocab_size if cols is None else int(cols.numel())
+    uniform = torch.full((w,), 1.0 / w, dtype=torch.float32).to(torch.float16)  # survives renormalising
     toks = torch.zeros(m, k, dtype=torch.long)
     h = 0 if head is None else int(head[0].shape[1])
-    q16 = None
+    q16, outside = None, []
     for i, st in enumerate(states):
         if st.ngram is None:
             st.ngram = NgramIndex(NGRAM_MAX_N, NGRAM_MIN_N)
@@ -57,18 +61,25 @@ def fast_backup(states: Sequence[RequestState], k: int, vocab_size: int,
         proposed, is_random = (st.ngram.propose_after(lead, k - h, vocab_size, generator, ids=cols) if h
                                else st.ngram.propose(k, vocab_size, generator, ids=cols))
         toks[i] = torch.as_tensor(lead + proposed)
-        if st.temperature > 0:
-            if q16 is None:
-                q16 = torch.zeros(m, k, vocab_size, dtype=torch.float16)
-            # one-hot / uniform rows survive float16 exactly (a uniform row stays uniform after renormalising)
-            q16[i, h:] = quantize_proposal(proposal_rows(proposed, is_random, vocab_size, ids=cols))
-            if h:
-                qh = head[1][i].to(device="cpu", dtype=torch.float16)
-                if cols is None:
-                    q16[i, :h] = qh
+        if st.temperature <= 0:
+            continue
+        if q16 is None:
+            q16 = torch.zeros(m, k, w, dtype=torch.float16)
+        if h:
+            q16[i, :h] = head[1][i].to(device="cpu", dtype=torch.float16)
+        copied = [(j, t) for j, (t, rnd) in enumerate(zip(proposed, is_random), start=h) if not rnd]
+        q16[i, [j for j, rnd in enumerate(is_random, start=h) if rnd]] = uniform
+        if copied and cols is None:
+            q16[i, [j for j, _ in copied], [t for _, t in copied]] = 1.0
+        elif copied:
+            ts = torch.as_tensor([t for _, t in copied])
+            at = torch.searchsorted(cols, ts).clamp_max(w - 1)
+            for (j, t), c, inside in zip(copied, at.tolist(), (cols[at] == ts).tolist()):
+                if inside:
+                    q16[i, j, c] = 1.0
                 else:
-                    q16[i, :h].index_copy_(1, cols, qh)
-    return toks, q16
+                    outside.append((i, j, t))
+    return toks, q16, outside
 
 
 class BackupChooser:

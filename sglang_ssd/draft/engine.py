@@ -271,16 +271,18 @@ class DraftEngine:
                 prev, msg.ks, [bool(h) if k >= 0 else None for h, k in zip(hit, msg.ks)]):
             s.fan_out, s.fan_out_miss = map(list, self.fanout.schedules())
         jit_logits: dict[int, torch.Tensor] = {}
+        outside: list[tuple[int, int, int]] = []  # fast / hybrid copies of ids outside a reduced head
         t_b = time.perf_counter()
         kind = self.backups.choose(n) if missed else "neural"
         if missed and kind == "fast":
-            toks, qs = fast_backup([states[i] for i in missed], k_spec, self.runner.vocab_size, self.gen,
-                                   cols=self.runner.cols)
+            toks, qs, outside = fast_backup([states[i] for i in missed], k_spec, self.runner.vocab_size, self.gen,
+                                            cols=self.runner.cols)
             raw = None
         elif missed and kind == "hybrid":  # one draft-model step, n-gram copy after it
             sub = [states[i] for i in missed]
             head = self._decode_backup(sub, keep_logits=False, steps=1)[:2]
-            toks, qs = fast_backup(sub, k_spec, self.runner.vocab_size, self.gen, head=head, cols=self.runner.cols)
+            toks, qs, outside = fast_backup(sub, k_spec, self.runner.vocab_size, self.gen, head=head,
+                                            cols=self.runner.cols)
             raw = None
         elif missed:
             toks, qs, raw = self._decode_backup([states[i] for i in missed], keep_logits=s.mode == "async")
@@ -298,7 +300,10 @@ class DraftEngine:
         if s.mode == "async":
             self.pending = [(st, jit_logits.get(i)) for i, st in enumerate(states)]
         q_rows = [i for i in range(n) if msg.temperatures[i] > 0]
-        q, q_ids = wire_q([q16[i] for i in q_rows], k_spec, self.runner.cols, self.runner.vocab_size, self._q_ids)
+        at = {i: r for r, i in enumerate(q_rows)}  # a copy outside the head: (reply q row, depth, token)
+        outside = [(at[missed[r]], d, t) for r, d, t in outside]
+        q, q_ids = wire_q([q16[i] for i in q_rows], k_spec, self.runner.cols, self.runner.vocab_size, self._q_ids,
+                          outside)
         st_ = self.stats
         st_.rounds += 1
         st_.rows += n

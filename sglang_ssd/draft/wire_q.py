@@ -1,43 +1,37 @@
 """The wire form of a reply's q rows (SpecReply.q and q_ids, protocol v5).
 
-The draft works over its head's column space (a reduced head: W of the V ids, sorted; rows [K, W]); a fast or
-hybrid backup's row is [K, V] since a copied token may be an id the head lacks.  The verifier scatters the wire
-rows over V with zeros elsewhere, so every row must keep its exact float16 values and be exactly 0 at the ids
-left out.
+The draft works over its head's column space (a reduced head: W of the V ids, sorted; rows [K, W]).  A fast
+or hybrid backup's copied token may be an id the head lacks: its row is 0 over the columns at that depth and
+the copy travels as (row, depth, token), one-hot at that id.  The verifier scatters the wire rows over V
+with zeros elsewhere, so every row must keep its exact float16 values and be exactly 0 at the ids left out.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
 
-def wire_q(rows: list[torch.Tensor], k_spec: int, cols: Optional[torch.Tensor], v: int,
-           head_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The reply's q rows -> (q [m, K, W] float16, q_ids): over the head's own ids when every row is in
-    the column space (cache entries, neural backups).  A fast / hybrid backup's row is dense over V
-    (a copied token may be an id the head lacks): then q travels over the head's ids plus the ids
-    those rows use outside them (their random tokens come from the head's ids); empty q_ids (dense)
-    if that is every id.  Every row keeps its values; the ids it leaves out are exactly 0."""
+def wire_q(rows: list[torch.Tensor], k_spec: int, cols: Optional[torch.Tensor], v: int, head_ids: np.ndarray,
+           outside: Sequence[tuple[int, int, int]] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """The reply's q rows [K, W] (over the columns) -> (q [m, K, W'] float16, q_ids): over the head's own
+    ids (head_ids) unless ``outside`` lists copies (reply row, depth, token) of ids outside them: then over
+    the head's ids plus those ids (sorted), each copy's q 1 at its id; empty q_ids (dense) if that is
+    every id."""
     if not rows:
         w = v if cols is None else int(cols.numel())
         return np.zeros((0, k_spec, w), dtype=np.float16), head_ids
-    if cols is None or all(r.shape[-1] == cols.numel() for r in rows):
-        return torch.stack(rows).cpu().numpy(), head_ids
-    rows, cols = [r.cpu() for r in rows], cols.cpu()
-    wide = [i for i, r in enumerate(rows) if r.shape[-1] == v]
-    narrow = [i for i, r in enumerate(rows) if r.shape[-1] != v]
-    dense = torch.stack([rows[i] for i in wide])
-    used = dense.flatten(0, -2).amax(0) > 0  # q >= 0: an id is used iff some row is > 0 there
-    used[cols] = True
-    ids = used.nonzero().squeeze(1)  # sorted, strictly increasing
+    q = torch.stack([r.cpu() for r in rows])  # cache rows may live on a GPU draft's device, backups on the CPU
+    if not outside:
+        return q.numpy(), head_ids
+    cols = cols.cpu()
+    extra = torch.as_tensor(sorted({t for _, _, t in outside}), dtype=cols.dtype)
+    ids = torch.cat([cols, extra]).sort().values  # disjoint: the copies are ids the head lacks
     out = torch.zeros(len(rows), k_spec, int(ids.numel()), dtype=torch.float16)
-    out[wide] = dense[:, :, ids]
-    if narrow:  # rows over the head's ids: each head id's place among ids
-        at = (used.cumsum(0) - 1)[cols]
-        out[narrow] = torch.zeros(len(narrow), k_spec, int(ids.numel()), dtype=torch.float16).index_copy_(
-            2, at, torch.stack([rows[i] for i in narrow]))
+    out.index_copy_(2, torch.searchsorted(ids, cols), q)
+    r, d, t = (list(x) for x in zip(*outside))
+    out[r, d, torch.searchsorted(ids, torch.as_tensor(t, dtype=ids.dtype))] = 1.0
     wire_ids = np.zeros(0, dtype=np.int64) if ids.numel() == v else ids.numpy().astype(np.int64)
     return out.numpy(), wire_ids

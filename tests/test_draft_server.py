@@ -594,11 +594,15 @@ def test_fast_backup_proposes_ngram_copies_with_their_true_q(runner):
         Hello(PROTOCOL_VERSION, "t", K, "sync", FAN, V, [1], None, "magic").encode()
 
 
-def test_hybrid_backup_is_one_model_token_then_ngram_copies(runner):
-    """backup='hybrid': one draft forward per round; position 0 = the draft's own token (greedy: the argmax;
-    sampled: q = its softmax), positions 1.. = NgramIndex.propose_after(that token) with one-hot / uniform q."""
+@pytest.mark.parametrize("steps", [1, 2])
+def test_hybrid_backup_is_model_tokens_then_ngram_copies(runner, monkeypatch, steps):
+    """backup='hybrid': one draft forward per model token (SGLANG_SSD_HYBRID_STEPS, default 1); positions
+    0..steps-1 = the draft's own tokens (greedy: the argmax; sampled: q = its softmax), the rest =
+    NgramIndex.propose_after(those tokens) with one-hot / uniform q."""
+    from sglang_ssd.draft.backup import HYBRID_STEPS_ENV
     from sglang_ssd.saguaro.ngram import NgramIndex
 
+    monkeypatch.setenv(HYBRID_STEPS_ENV, str(steps))
     temps = {"r0": 1.0, "r1": 0.0, "r2": 0.8}
     e = DraftEngine(runner, seed=5)
     e.hello(Hello(PROTOCOL_VERSION, "t", K, "sync", FAN, V, [1], None, "hybrid"))
@@ -608,23 +612,27 @@ def test_hybrid_backup_is_one_model_token_then_ngram_copies(runner):
     for rnd in range(3):
         calls = runner.forward_calls
         rids, reply = t.step(outcomes)
-        assert runner.forward_calls == calls + 1 and reply.fast_rows == 3
+        assert runner.forward_calls == calls + steps and reply.fast_rows == 3
         for i, r in enumerate(rids):
             got = t.spec[r]
-            first = greedy_reference(runner, t.ctx[r], 1)[0]
-            want, is_random = NgramIndex(4, 1, tokens=t.ctx[r]).propose_after([got[0]], K - 1, V)
-            assert [g for g, x in zip(got[1:], is_random) if not x] == [w for w, x in zip(want, is_random) if not x]
+            want, is_random = NgramIndex(4, 1, tokens=t.ctx[r]).propose_after(got[:steps], K - steps, V)
+            tail = got[steps:]
+            assert [g for g, x in zip(tail, is_random) if not x] == [w for w, x in zip(want, is_random) if not x]
             q = reply.q_for_row(i, V)
             if temps[r] == 0:
-                assert got[0] == first and q is None
+                assert got[:steps] == greedy_reference(runner, t.ctx[r], steps) and q is None
                 continue
-            check_q(runner, t.ctx[r], got[:1], np.asarray(q)[:1], temps[r], fs=[e.session.fan_out_miss[0]])
+            check_q(runner, t.ctx[r], got[:steps], np.asarray(q)[:steps], temps[r],
+                    fs=e.session.fan_out_miss[:steps])
             q = dequantize_proposal(torch.as_tensor(np.asarray(q)))
-            for j, x in enumerate(is_random, start=1):
+            for j, x in enumerate(is_random, start=steps):
                 assert torch.allclose(q[j], torch.full((V,), 1.0 / V)) if x else q[j, got[j]] == 1.0
         outcomes = {r: (rng.randint(-1, K), rng.randrange(V)) for r in PROMPTS}
     h = e.health()
     assert h["hybrid_backup_rows"] == 9 and h["neural_backup_rows"] == 0 and h["fast_backup_rows"] == 0
+    monkeypatch.setenv(HYBRID_STEPS_ENV, "0")  # a bad setting stops the draft at start, not in a round
+    with pytest.raises(ValueError, match=HYBRID_STEPS_ENV):
+        DraftEngine(runner, seed=5)
 
 
 def test_fan_out_auto_refits_the_schedule_and_builds_with_it(runner):

@@ -17,6 +17,7 @@ and the next request (taken as the verify time), and its own build / backup time
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Optional, Sequence
 
@@ -28,6 +29,16 @@ from sglang_ssd.saguaro.backup_policy import BackupPolicy
 from sglang_ssd.saguaro.ngram import NgramIndex
 
 NGRAM_MAX_N, NGRAM_MIN_N = 4, 1
+HYBRID_STEPS_ENV = "SGLANG_SSD_HYBRID_STEPS"  # draft-model tokens before the n-gram tail (default 1)
+
+
+def hybrid_steps() -> int:
+    """How many leading tokens of a hybrid backup the draft model decodes (>= 1; K or more = a neural
+    backup), from SGLANG_SSD_HYBRID_STEPS; read once when the draft engine starts."""
+    raw = os.environ.get(HYBRID_STEPS_ENV, "1").strip()
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{HYBRID_STEPS_ENV}={raw!r}: expected an integer >= 1")
+    return int(raw)
 
 
 def fast_backup(states: Sequence[RequestState], k: int, vocab_size: int,

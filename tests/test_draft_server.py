@@ -594,16 +594,18 @@ def test_fast_backup_proposes_ngram_copies_with_their_true_q(runner):
         Hello(PROTOCOL_VERSION, "t", K, "sync", FAN, V, [1], None, "magic").encode()
 
 
-@pytest.mark.parametrize("steps", [1, 2])
-def test_hybrid_backup_is_model_tokens_then_ngram_copies(runner, monkeypatch, steps):
-    """backup='hybrid': one draft forward per model token (SGLANG_SSD_HYBRID_STEPS, default 1); positions
-    0..steps-1 = the draft's own tokens (greedy: the argmax; sampled: q = its softmax), the rest =
-    NgramIndex.propose_after(those tokens) with one-hot / uniform q."""
+@pytest.mark.parametrize("setting,temps,steps", [
+    ("1", {"r0": 1.0, "r1": 0.0, "r2": 0.8}, 1), ("2", {"r0": 1.0, "r1": 0.0, "r2": 0.8}, 2),
+    ("auto", {"r0": 1.0, "r1": 0.0, "r2": 0.8}, 2),  # a sampled missed row: two model tokens
+    ("auto", {"r0": 0.0, "r1": 0.0, "r2": 0.0}, 1)])  # every row greedy: one
+def test_hybrid_backup_is_model_tokens_then_ngram_copies(runner, monkeypatch, setting, temps, steps):
+    """backup='hybrid': one draft forward per model token (SGLANG_SSD_HYBRID_STEPS: auto = 2 in a round with
+    a sampled missed row, else 1); positions 0..steps-1 = the draft's own tokens (greedy: the argmax;
+    sampled: q = its softmax), the rest = NgramIndex.propose_after(those tokens) with one-hot / uniform q."""
     from sglang_ssd.draft.backup import HYBRID_STEPS_ENV
     from sglang_ssd.saguaro.ngram import NgramIndex
 
-    monkeypatch.setenv(HYBRID_STEPS_ENV, str(steps))
-    temps = {"r0": 1.0, "r1": 0.0, "r2": 0.8}
+    monkeypatch.setenv(HYBRID_STEPS_ENV, setting)
     e = DraftEngine(runner, seed=5)
     e.hello(Hello(PROTOCOL_VERSION, "t", K, "sync", FAN, V, [1], None, "hybrid"))
     t = Target(e, temps)

@@ -29,15 +29,24 @@ from sglang_ssd.saguaro.backup_policy import BackupPolicy
 from sglang_ssd.saguaro.ngram import NgramIndex
 
 NGRAM_MAX_N, NGRAM_MIN_N = 4, 1
-HYBRID_STEPS_ENV = "SGLANG_SSD_HYBRID_STEPS"  # draft-model tokens before the n-gram tail (default 1)
+HYBRID_STEPS_ENV = "SGLANG_SSD_HYBRID_STEPS"  # draft-model tokens before the n-gram tail: auto | 1, 2, ...
+SAMPLED_HYBRID_STEPS = 2  # auto, a round with a sampled missed row (results/variants_hybrid_steps_t1.md)
 
 
 def hybrid_steps() -> int:
-    """How many leading tokens of a hybrid backup the draft model decodes (>= 1; K or more = a neural
-    backup), from SGLANG_SSD_HYBRID_STEPS; read once when the draft engine starts."""
-    raw = os.environ.get(HYBRID_STEPS_ENV, "1").strip()
+    """How many leading tokens of a hybrid backup the draft model decodes: 0 = auto (1 when every missed
+    row of the round is greedy, SAMPLED_HYBRID_STEPS when one is sampled), else that many (>= 1; K or more
+    = a neural backup), from SGLANG_SSD_HYBRID_STEPS; read once when the draft engine starts.
+
+    At T = 1 a copied token is accepted with probability p(token) only, so a second model token pays
+    there: a missed row commits 1.36-1.45 -> 1.44-1.51 tokens for 2.7-5.6 ms more wait (b = 1 / 4 / 8,
+    SSD tok/s 1.08 / 1.12 / 1.06x, AMD EPYC Zen 5); at T = 0 the same run's ratios were 1.01 / 0.87 / 1.04
+    (noise), so greedy rounds keep one."""
+    raw = os.environ.get(HYBRID_STEPS_ENV, "auto").strip().lower()
+    if raw == "auto":
+        return 0
     if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"{HYBRID_STEPS_ENV}={raw!r}: expected an integer >= 1")
+        raise ValueError(f"{HYBRID_STEPS_ENV}={raw!r}: expected auto or an integer >= 1")
     return int(raw)
 
 

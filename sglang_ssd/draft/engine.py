@@ -21,7 +21,7 @@ import torch
 
 from sglang_ssd.draft import build
 from sglang_ssd.draft.runner import DraftRunner, ForwardItem
-from sglang_ssd.draft.backup import BackupChooser, fast_backup, hybrid_steps
+from sglang_ssd.draft.backup import SAMPLED_HYBRID_STEPS, BackupChooser, fast_backup, hybrid_steps
 from sglang_ssd.draft.budget import BuildBudget
 from sglang_ssd.draft.budget import enabled_by_env as budget_enabled_by_env
 from sglang_ssd.draft.fanout import LiveFanOut
@@ -96,7 +96,7 @@ class DraftEngine:
         # fan-outs scaled so a build fits the verify window (budget.py)
         self.budget = BuildBudget(budget_enabled_by_env() if build_budget is None else build_budget)
         self._t_reply: Optional[float] = None
-        self.hybrid_steps = hybrid_steps()  # a hybrid backup's draft-model tokens before its n-gram tail
+        self.hybrid_steps = hybrid_steps()  # a hybrid backup's model tokens before its n-gram tail (0: auto)
         # a reply's q_ids: the head's ids (sorted, once), empty = q dense over the vocabulary
         self._q_ids = (np.zeros(0, dtype=np.int64) if runner.cols is None
                        else runner.cols.cpu().numpy().astype(np.int64))
@@ -281,7 +281,8 @@ class DraftEngine:
             raw = None
         elif missed and kind == "hybrid":  # one draft-model step, n-gram copy after it
             sub = [states[i] for i in missed]
-            head = self._decode_backup(sub, keep_logits=False, steps=min(self.hybrid_steps, k_spec))[:2]
+            steps = self.hybrid_steps or (SAMPLED_HYBRID_STEPS if any(st.temperature > 0 for st in sub) else 1)
+            head = self._decode_backup(sub, keep_logits=False, steps=min(steps, k_spec))[:2]
             toks, qs, outside = fast_backup(sub, k_spec, self.runner.vocab_size, self.gen, head=head,
                                             cols=self.runner.cols)
             raw = None

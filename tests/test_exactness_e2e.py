@@ -31,11 +31,14 @@ one-hot q, would not be a defect: verifying any proposal as one-hot at its drawn
 from __future__ import annotations
 
 import math
+import os
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 
+from sglang_ssd.draft.backup import HYBRID_STEPS_ENV
 from sglang_ssd.draft.engine import DraftEngine
 from sglang_ssd.draft.runner import DraftRunner, ForwardItem
 from sglang_ssd.protocol import PROTOCOL_VERSION, Hello, Prefill, Speculate
@@ -120,7 +123,10 @@ def run(pair, path: str, temp: float, seed: int, broken: str = "", verifier: str
         full = [2] * (K + 1)             # hitfast: misses answered by the fast backup (the CPU default)
     # path "cut": every build stops after depth 1 (as when the next Speculate arrives mid-build), so each
     # hit is a 1-token speculation padded with -1 (max_accept 1)
-    e = DraftEngine(draft, seed=seed, max_batch=N, max_build_depth=1 if path == "cut" else None)
+    # hybrid: one model token, so two copied tail tokens and copies of ids outside the head travel (the sparse
+    # union); hithybrid: the default (auto: two model tokens in a sampled round, then one copied token)
+    with mock.patch.dict(os.environ, {HYBRID_STEPS_ENV: "1" if path == "hybrid" else "auto"}):
+        e = DraftEngine(draft, seed=seed, max_batch=N, max_build_depth=1 if path == "cut" else None)
     n_cols = draft.n_cols
     backup = {"fast": "fast", "hitfast": "fast", "hybrid": "hybrid", "hithybrid": "hybrid"}.get(path, "neural")
     e.hello(Hello(PROTOCOL_VERSION, "stat", K, mode, full, V, [], full, backup))

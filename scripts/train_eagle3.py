@@ -280,9 +280,38 @@ def train(args) -> dict:
     save_head(model, hf, args.out / "head")
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state}, ckpt)
     result = {"positions_seen": state["seen"], "steps": state["step"], "train_min": round(state["elapsed"] / 60, 1),
-              "pool_positions": pool.labelled, "ttt_steps": args.steps, "final": ev, "curve": state["curve"]}
+              "pool_positions": pool.labelled, "ttt_steps": args.steps, "threads": args.threads, "final": ev, "curve": state["curve"]}
     (args.out / "result.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def write_report(result: dict, path: Path) -> None:
+    """results/eagle3_quality.{json,md}: held-out alpha per TTT step and kind, and the curve."""
+    import platform
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+               platform.machine())
+    path.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    fin = result["final"]
+    steps = sorted(int(s) for s in fin["all"])
+    lines = [f"# EAGLE-3 head for SmolLM2-135M, trained with training-time test (issue 15)", "",
+             f"Machine: {cpu}, torch {torch.__version__}, "
+             f"{result.get('threads', 2)} threads. {result['train_min']} min, {result['positions_seen']:,} positions seen "
+             f"(x {result['ttt_steps']} TTT steps) of a {result['pool_positions']:,}-position pool (scripts/eagle3_data.py "
+             "over the first jobs of assets/gen). Held-out: scripts/prompts_heldout.json, target greedy, 64 tokens. "
+             "Step s = the (s+1)-th token drafted past the last target feature, conditional on the tokens before it "
+             "being the target's (a cached SSD speculation after k accepted drafts its j-th token at step k + j; a "
+             "backup's first token is step 0).", "",
+             "| step | " + " | ".join(f"alpha greedy / T=1, {k}" for k in sorted(fin)) + " |",
+             "|---|" + "---|" * len(fin)]
+    for s in steps:
+        lines.append(f"| {s} | " + " | ".join(f"{fin[k][str(s)]['alpha_greedy']:.3f} / {fin[k][str(s)]['alpha_t1']:.3f}"
+                                             for k in sorted(fin)) + " |")
+    lines += ["", "Curve (all kinds; alpha greedy / T=1 per step, against positions seen):", ""]
+    for c in result["curve"]:
+        lines.append(f"- {c['seen']:,}: " + ", ".join(f"s{s} {v['alpha_greedy']:.3f}/{v['alpha_t1']:.3f}"
+                                                     for s, v in sorted(c["eval"].items(), key=lambda x: int(x[0]))))
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv=None) -> int:
@@ -295,8 +324,13 @@ def main(argv=None) -> int:
     ap.add_argument("--total-positions", type=int, default=1_000_000, help="the LR schedule's length")
     ap.add_argument("--eval-minutes", type=float, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--report", type=Path, help="only write this report (e.g. results/eagle3_quality.md) "
+                    "from --out's result.json")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.report:
+        write_report(json.loads((args.out / "result.json").read_text()), args.report)
+        return 0
     res = train(args)
     log.info("done: %s", json.dumps({k: v for k, v in res.items() if k != "curve"})[:2000])
     return 0

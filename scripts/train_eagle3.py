@@ -154,23 +154,23 @@ class Pool:
 
 
 def heldout(cache: Path) -> dict:
-    """Held-out greedy trajectories as one labelled batch with the target's features and full log-probs."""
+    """Held-out greedy trajectories (train_draft's, with the target's log-probs at each generated position)
+    as one labelled batch with the target's features."""
     if cache.exists():
         return torch.load(cache)
-    from measure_draft import greedy_trajectories, load_prompts
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from draft_data import data_dir as labels_dir
+    from train_draft import heldout_reference
+    from transformers import AutoModelForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(paths.target_path())
+    labels_dir().mkdir(parents=True, exist_ok=True)
+    ref = heldout_reference(labels_dir() / "heldout_ref.pt")
     target = AutoModelForCausalLM.from_pretrained(paths.target_path(), dtype=torch.float32).eval()
-    prompts = load_prompts()
-    seqs = greedy_trajectories(target, tok, prompts, 64)
-    toks = torch.cat([ids[0] for ids, _ in seqs])
-    offsets = torch.tensor([0] + [len(ids[0]) for ids, _ in seqs]).cumsum(0)
+    toks = torch.cat([ids for ids, _ in ref["seqs"]])
+    offsets = torch.tensor([0] + [len(ids) for ids, _ in ref["seqs"]]).cumsum(0)
+    plens = [int(p) for _, p in ref["seqs"]]
     sh = featurize(target, default_aux_layers(target.config.num_hidden_layers), toks.int(), offsets,
-                   torch.tensor([p for _, p in seqs]), batch=4)
-    with torch.inference_mode():
-        sh["logp"] = [torch.log_softmax(target(ids).logits[0].float(), -1).half() for ids, _ in seqs]
-    sh["kinds"] = [p["kind"] for p in prompts]
+                   torch.tensor(plens), batch=4)
+    sh.update(logp=ref["logp"], kinds=ref["kinds"], plens=plens)  # logp row i: position plen - 1 + i
     torch.save(sh, cache)
     return sh
 
@@ -181,7 +181,7 @@ def evaluate(model: Eagle3Draft, ref: dict, steps: int) -> dict:
     model.eval()
     res: dict = {}
     offs = ref["offsets"].tolist()
-    for r, (kind, lp) in enumerate(zip(ref["kinds"], ref["logp"])):
+    for r, (kind, lp, plen) in enumerate(zip(ref["kinds"], ref["logp"], ref["plens"])):
         a, b = offs[r], offs[r + 1]
         valid = torch.ones(1, b - a, dtype=torch.bool)
         lab = ref["lab"][a:b][None]
@@ -191,8 +191,8 @@ def evaluate(model: Eagle3Draft, ref: dict, steps: int) -> dict:
             if not len(sel):
                 continue
             q = torch.softmax(model.head_logits(h[0, sel]), -1)
-            p = lp[sel + s].float().exp()[:, model.head_ids]          # the target at position t + s
-            full_p = lp[sel + s].float().exp()
+            full_p = lp[sel + s - (plen - 1)].float().exp()               # the target at position t + s
+            p = full_p[:, model.head_ids]
             g = (p.argmax(-1) == q.argmax(-1)) & (model.head_ids[p.argmax(-1)] == full_p.argmax(-1))
             o = torch.minimum(p, q).sum(-1)
             for k in (kind, "all"):

@@ -45,9 +45,15 @@ def profile(runner: DraftRunner, b: int, k: int, fan: int, temp: float, c: float
     calls, phase = [], {"name": "", "i": 0, "round": 0}
     orig = runner.forward
 
-    def timed(items):
+    def sync():  # on a GPU a forward returns before its kernels finish: time the finished work
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+
+    def timed(items, **kw):
+        sync()
         t0 = time.perf_counter()
-        out = orig(items)
+        out = orig(items, **kw)
+        sync()
         calls.append((phase["round"], phase["name"], phase["i"], sum(len(it.tokens) for it in items),
                       (time.perf_counter() - t0) * 1e3))
         phase["i"] += 1
@@ -59,12 +65,15 @@ def profile(runner: DraftRunner, b: int, k: int, fan: int, temp: float, c: float
         for r in range(rounds):
             bonuses = torch.randint(0, 8000, (b,), generator=g).tolist()  # random bonus: a miss every round
             phase.update(name="backup", i=0, round=r)
+            sync()
             t0 = time.perf_counter()
             eng.speculate(Speculate(r + 1, rids, ks, bonuses, [temp] * b))
+            sync()
             answer = (time.perf_counter() - t0) * 1e3
             phase.update(name="build", i=0)
             t1 = time.perf_counter()
             eng.build_cache()
+            sync()
             calls.append((r, "answer", 0, 0, answer))
             calls.append((r, "build_total", 0, 0, (time.perf_counter() - t1) * 1e3))
             ks = [0] * b

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sglang_ssd.draft.kv_cache import RequestKV
 from sglang_ssd.draft.tree import causal_mask, flat_to_dense, flatten_masks
@@ -32,6 +33,21 @@ class AttnSeq:
             return self.mask
         q = len(self.slots)
         return causal_mask(self.kv_len - q, q)
+
+
+# On CUDA, SDPA's cuDNN backend builds a plan for every new shape: a growing KV cache makes every
+# forward a new shape, which cost 36-50 ms per call on the H200 (torch 2.11) against 0.25-0.3 ms
+# without cuDNN (results/gpu_draft_check.md). Flash / memory-efficient take no mask with GQA, so math
+# runs there; on a GPU the draft's own path is FlashInfer, this is its fallback.
+_NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(q, k, v, mask):
+    """F.scaled_dot_product_attention with a boolean mask and GQA, never on cuDNN."""
+    if q.is_cuda:
+        with sdpa_kernel(_NO_CUDNN):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
 class BatchAttention:
@@ -58,8 +74,7 @@ class BatchAttention:
             s.kv.write(layer, slots, k[a:b], v[a:b])
         if len(self.seqs) == 1:  # no padding: attend straight over the cache view
             kc, vc = self.seqs[0].kv.view(layer, self.kv_lens[0])
-            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None].to(q.dtype),
-                                               vc[None].to(q.dtype), attn_mask=self.mask, enable_gqa=True)
+            o = sdpa(q.transpose(0, 1)[None], kc[None].to(q.dtype), vc[None].to(q.dtype), self.mask)
             return o[0].transpose(0, 1)
         n, h, d = len(self.seqs), q.shape[1], q.shape[2]
         mq, mk = self.mask.shape[-2:]
@@ -73,6 +88,6 @@ class BatchAttention:
             kp[r, :, : s.kv_len] = kc
             vp[r, :, : s.kv_len] = vc
         # softmax(q k^T / sqrt(d) + (mask ? 0 : -inf)) v, GQA: kv head = q head // (H / Hkv)
-        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=self.mask, enable_gqa=True)
+        o = sdpa(qp, kp, vp, self.mask)
         return torch.cat([o[r, :, : b - a].transpose(0, 1)
                           for r, (a, b) in enumerate(zip(self.offsets, self.offsets[1:]))])

@@ -20,7 +20,7 @@ growth (stale graphs dropped) are the start-up buckets re-captured, lazily, on t
 
 CPU-testable: ``default_buckets``, ``choose_bucket``, ``pad_q_lens``, ``graph_bytes``,
 ``startup_buckets`` (pure functions).
-GPU only, UNVERIFIED (no GPU was available): ``GraphRunner`` -- capture with torch.cuda.CUDAGraph
+GPU only (checked on an H200: results/gpu_draft_check.md): ``GraphRunner`` -- capture with torch.cuda.CUDAGraph
 against FlashInfer's ``use_cuda_graph=True`` wrapper (plan() refreshes its index/mask buffers
 outside the graph before each replay, as SGLang's own FlashInfer backend does), replay, and
 re-capture when the KV pool was reallocated.  tests/test_flashinfer_gpu.py checks replay ==
@@ -46,7 +46,8 @@ logger = logging.getLogger(__name__)
 
 GRAPH_MB_ENV = "SGLANG_SSD_DRAFT_GRAPH_MB"
 DEFAULT_GRAPH_MB = 256
-FI_INT_WORKSPACE = 8 * 1024 * 1024 + 32768 * 4  # per flashinfer 0.7.2 wrapper: int workspace + kv_lens buffer
+FI_INT_WORKSPACE = 8 * 1024 * 1024  # flashinfer 0.7.2's int workspace: ONE, shared by every graph wrapper
+FI_WRAPPER_BYTES = 32768 * 4  # what each flashinfer 0.7.2 graph wrapper still holds of its own (kv_lens buffer)
 
 
 def default_buckets(max_value: int, small: Sequence[int] = (1, 2, 4, 8, 16, 24, 32, 48, 64)) -> list[int]:
@@ -96,12 +97,13 @@ def mask_buffer_bytes(nb: int, tb: int, max_kv: int) -> int:
 
 
 def graph_bytes(nb: int, tb: int, max_kv: int, page_size: int, token_bytes: int) -> int:
-    """Estimated device memory of one bucket's graph: FlashInfer's per-wrapper int workspace, our
-    static index / mask / input buffers, and `token_bytes` of graph-pool activations per token."""
+    """Estimated device memory of one bucket's graph: what FlashInfer's wrapper keeps of its own (the
+    int workspace is shared: GraphRunner), our static index / mask / input buffers, and `token_bytes`
+    of graph-pool activations per token."""
     pages = nb * -(-max_kv // page_size)
     index = 4 * (3 * (nb + 1) + pages)             # int32 qo / kv / mask indptr + page ids
     inputs = 8 * 3 * tb + 4 * nb                    # ids, positions, write locations; last page lens
-    return FI_INT_WORKSPACE + mask_buffer_bytes(nb, tb, max_kv) + index + inputs + tb * token_bytes
+    return FI_WRAPPER_BYTES + mask_buffer_bytes(nb, tb, max_kv) + index + inputs + tb * token_bytes
 
 
 def startup_buckets(req_buckets: Sequence[int], tok_buckets: Sequence[int], budget_bytes: int,
@@ -158,6 +160,10 @@ class _Graph:
             paged_kv_last_page_len_buf=torch.zeros(nb, **i32),
             custom_mask_buf=torch.zeros(self.mask_bytes, dtype=torch.uint8, device=dev),
             mask_indptr_buf=torch.zeros(nb + 1, **i32))
+        # one int workspace for every graph wrapper (8 MiB each otherwise: 454 MiB for 56 buckets on the
+        # H200 run, results/gpu_draft_check.md). Safe: each replay is preceded by its own plan(), which
+        # rewrites the plan info at the same offsets, in stream order after the previous replay
+        self.wrapper.reset_workspace_buffer(runner.workspace, runner.int_workspace)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.out: Optional[torch.Tensor] = None
 
@@ -172,7 +178,7 @@ class _Graph:
 
 class GraphRunner:
     """Captures (at start-up: ``capture_startup``) and replays ``model(ids, positions, attention)``
-    per bucket.  GPU only, UNVERIFIED."""
+    per bucket.  GPU only."""
 
     def __init__(self, model, pool, device: torch.device | str, max_tokens: int = 256,
                  max_requests: int = 64, max_kv: int = 8192):
@@ -181,6 +187,10 @@ class GraphRunner:
         self.tok_buckets = default_buckets(max_tokens)
         self.req_buckets = default_buckets(max_requests)
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self.int_workspace = torch.empty(FI_INT_WORKSPACE, dtype=torch.uint8, device=self.device)
+        # ONE side stream for every capture's warm-up: the caching allocator keeps blocks per stream, and
+        # a new stream per capture reserved 32 MiB more per graph on the H200 (results/gpu_draft_check.md)
+        self.capture_stream = torch.cuda.Stream(self.device)
         self.scratch_page = pool.alloc(1)[0]
         self.scratch_loc = self.scratch_page * pool.page_size
         self.graphs: dict[tuple[int, int], _Graph] = {}
@@ -250,7 +260,7 @@ class GraphRunner:
 
     def _capture(self, g: _Graph) -> None:
         attn = g.attn(self.pool)
-        stream = torch.cuda.Stream(self.device)
+        stream = self.capture_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm-up outside the graph (lazy inits, autotuning)
             for _ in range(2):

@@ -13,11 +13,12 @@ Two halves:
   mask (``FlashInferPlan.packed`` builds it as ``flashinfer.segment_packbits(mask, mask_indptr,
   bitorder="little")`` does, for the tests), and the global pool locations the new K/V go to.
 * ``FlashInferAttention`` -- GPU only (``import flashinfer`` happens inside, so importing this module
-  never fails on CPU).  UNVERIFIED: written against the FlashInfer API documented for
+  never fails on CPU).  Written against the FlashInfer API documented for
   ``BatchPrefillWithPagedKVCacheWrapper`` (plan(qo_indptr, paged_kv_indptr, paged_kv_indices,
   paged_kv_last_page_len, num_qo_heads, num_kv_heads, head_dim_qk, page_size, custom_mask=...,
-  causal=..., q_data_type=..., kv_data_type=...), run(q, (k_cache, v_cache)) with NHD pages), but never run:
-  no GPU was available.  tests/test_flashinfer_gpu.py checks it against SDPA on a GPU.
+  causal=..., q_data_type=..., kv_data_type=...), run(q, (k_cache, v_cache)) with NHD pages);
+  tests/test_flashinfer_gpu.py checks it against SDPA on a GPU, and passed on an H200 with flashinfer 0.7.2
+  (results/gpu_draft_check.md).
 
 Why plan() gets the unpacked ``custom_mask`` and not our ``packed_custom_mask``: FlashInfer's kernel
 reads request r's mask at ``maybe_custom_mask + maybe_mask_indptr[r]`` on a uint8 pointer (a BYTE
@@ -197,7 +198,7 @@ class FlashInferWorkspace:
 class FlashInferAttention:
     """Callable passed to CausalLM.forward: writes K/V into the pool, then FlashInfer attention
     (custom mask, or causal when every request is an extend) over the requests' pages.
-    Items must hold ``PagedRequestKV`` of ``pool``.  UNVERIFIED on hardware (see the module docstring)."""
+    Items must hold ``PagedRequestKV`` of ``pool``."""
 
     def __init__(self, seqs: Sequence, pool, workspace: FlashInferWorkspace, num_qo_heads: int,
                  q_dtype: torch.dtype, wrapper=None):

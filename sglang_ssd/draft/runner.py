@@ -115,7 +115,7 @@ class DraftRunner:
             return backend
         from sglang_ssd.draft.flashinfer_attention import FlashInferWorkspace, pool_pages_for, warm_up_flashinfer
 
-        try:  # GPU only (UNVERIFIED on hardware: see flashinfer_attention.py)
+        try:  # GPU only (checked on an H200: results/gpu_draft_check.md)
             from sglang_ssd.draft.paged_kv import PagedKVPool
 
             c = self.cfg

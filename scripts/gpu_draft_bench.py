@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from profile_draft import profile  # noqa: E402
+from profile_draft import profile, sync  # noqa: E402
 from sglang_ssd.draft.config import ModelConfig  # noqa: E402
 from sglang_ssd.draft.model import CausalLM  # noqa: E402
 from sglang_ssd.draft.runner import DraftRunner, ForwardItem  # noqa: E402
@@ -64,11 +64,6 @@ def random_model(shape: str, device: str, dtype: torch.dtype, seed: int = 0) -> 
     return model
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def target_forward(runner: DraftRunner, b: int, ctx: int, k: int, reps: int) -> dict:
     """Median ms of one decode step (1 token per request) and of a K+1-token chain per request, each
     at ~ctx tokens of context, over `reps` timed calls (KV grows as it would in serving)."""
@@ -85,10 +80,10 @@ def target_forward(runner: DraftRunner, b: int, ctx: int, k: int, reps: int) -> 
         for r in range(reps + 2):
             items = [ForwardItem.extend(kv, torch.randint(0, 8000, (q,), generator=g).tolist(), p, n_logits=q)
                      for kv, p in zip(kvs, pos)]
-            _sync(runner.device)
+            sync(runner.device)
             t0 = time.perf_counter()
             runner.forward(items)
-            _sync(runner.device)
+            sync(runner.device)
             if r >= 2:  # 2 warm-ups (graph capture of a new bucket)
                 times.append((time.perf_counter() - t0) * 1e3)
             pos = [p + q for p in pos]

@@ -4,13 +4,12 @@ Prints the op table, sync / launch counts per round, and each runtime call (kern
 graph launch) attributed to the innermost sglang_ssd function around it, from the exported trace.
 Run from the repository root with FlashInfer importable; traces go to $OUT (default /tmp).
 Result of the 2026-12-04 H200 run: results/gpu_draft/profile_b4.md."""
-import os, sys, time, logging, torch
+import os, sys, time, torch
 sys.path.insert(0, "scripts"); sys.path.insert(0, ".")
 from torch.profiler import profile as tprof, ProfilerActivity
 from gpu_draft_bench import random_model
+from profile_draft import all_miss_engine, miss_round
 from sglang_ssd.draft.runner import DraftRunner
-from sglang_ssd.draft.engine import DraftEngine
-from sglang_ssd.protocol import PROTOCOL_VERSION, Hello, Prefill, Speculate
 dev = "cuda:0"
 
 
@@ -37,17 +36,11 @@ def attribute(path, prof, rounds=6):
         print(f"{d / rounds / 1e3:7.2f} ms/round inclusive {cnt[n] / rounds:5.1f}x {n}")
 runner = DraftRunner(random_model("draft", dev, torch.bfloat16), dev, "flashinfer", True)
 for b, temp in ((4, 1.0), (4, 0.0)):
-    eng = DraftEngine(runner, seed=0, max_batch=256)
-    k, fan = 3, 4
-    eng.hello(Hello(PROTOCOL_VERSION, "p", k, "async", [fan] * (k + 1), runner.vocab_size, [], [fan] * (k + 1), "neural", False))
-    g = torch.Generator().manual_seed(0)
-    rids = [f"r{i}" for i in range(b)]
-    eng.prefill(Prefill(rids, [torch.randint(0, 8000, (48,), generator=g).tolist() for _ in rids], [temp] * b, [1.0] * b))
-    ks = [-1] * b
+    eng, rids, g = all_miss_engine(runner, b, 3, 4, temp, 1.0)
     def rnd(r):
-        eng.speculate(Speculate(r + 1, rids, ks, torch.randint(0, 8000, (b,), generator=g).tolist(), [temp] * b))
+        miss_round(eng, rids, g, r, temp)
         eng.build_cache()
-    for r in range(4): rnd(r); ks = [0] * b
+    for r in range(4): rnd(r)
     torch.cuda.synchronize()
     with tprof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as p:
         t = time.perf_counter()
@@ -60,9 +53,4 @@ for b, temp in ((4, 1.0), (4, 0.0)):
     for name in ("cudaStreamSynchronize", "cudaMemcpyAsync", "cudaDeviceSynchronize", "aten::item", "aten::_local_scalar_dense", "cudaGraphLaunch", "cudaLaunchKernel", "aten::nonzero"):
         if name in ka: print(f"{name}: {ka[name].count / 6:.1f} per round, {ka[name].cpu_time_total / 6 / 1e3:.2f} ms CPU per round")
     attribute(os.path.join(os.environ.get("OUT", "/tmp"), f"trace_b{b}_t{int(temp)}.json"), p)
-    rows = [e for e in p.key_averages(group_by_stack_n=6) if e.key in ("aten::_local_scalar_dense", "cudaStreamSynchronize", "aten::nonzero", "aten::to", "aten::copy_")]
-    rows.sort(key=lambda e: -e.cpu_time_total)
-    for e in rows[:25]:
-        st = [f for f in e.stack if "sglang_ssd" in f or "scripts" in f][:4]
-        print(f"{e.key} x{e.count / 6:.1f}/round {e.cpu_time_total / 6 / 1e3:.3f} ms/round :: " + " <- ".join(st))
 

@@ -33,27 +33,42 @@ log = logging.getLogger("profile_draft")
 OUT = Path(__file__).resolve().parent.parent / "results" / "draft_profile"
 
 
-def profile(runner: DraftRunner, b: int, k: int, fan: int, temp: float, c: float, rounds: int) -> dict:
+def sync(device: torch.device) -> None:
+    """On a GPU a forward returns before its kernels finish: wait for them before reading a timer."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def all_miss_engine(runner: DraftRunner, b: int, k: int, fan: int, temp: float, c: float):
+    """A DraftEngine in async mode (neural backup, fan-out `fan` at every depth) with b prefilled random
+    48-token requests -> (engine, request ids, generator); miss_round then runs one round that misses."""
     eng = DraftEngine(runner, seed=0, max_batch=256)
-    v = runner.vocab_size
-    eng.hello(Hello(PROTOCOL_VERSION, "profile", k, "async", [fan] * (k + 1), v, [], [fan] * (k + 1), "neural",
-                    False))
+    eng.hello(Hello(PROTOCOL_VERSION, "profile", k, "async", [fan] * (k + 1), runner.vocab_size, [],
+                    [fan] * (k + 1), "neural", False))
     g = torch.Generator().manual_seed(0)
     rids = [f"r{i}" for i in range(b)]
     prompts = [torch.randint(0, 8000, (48,), generator=g).tolist() for _ in rids]
     eng.prefill(Prefill(rids, prompts, [temp] * b, [c] * b))
+    return eng, rids, g
+
+
+def miss_round(eng: DraftEngine, rids: list, g: torch.Generator, r: int, temp: float) -> None:
+    """Round r's Speculate with a random bonus (a miss every round: the just-in-time backup answers)."""
+    ks = [-1 if r == 0 else 0] * len(rids)
+    bonuses = torch.randint(0, 8000, (len(rids),), generator=g).tolist()
+    eng.speculate(Speculate(r + 1, rids, ks, bonuses, [temp] * len(rids)))
+
+
+def profile(runner: DraftRunner, b: int, k: int, fan: int, temp: float, c: float, rounds: int) -> dict:
+    eng, rids, g = all_miss_engine(runner, b, k, fan, temp, c)
     calls, phase = [], {"name": "", "i": 0, "round": 0}
     orig = runner.forward
 
-    def sync():  # on a GPU a forward returns before its kernels finish: time the finished work
-        if runner.device.type == "cuda":
-            torch.cuda.synchronize(runner.device)
-
     def timed(items, **kw):
-        sync()
+        sync(runner.device)
         t0 = time.perf_counter()
         out = orig(items, **kw)
-        sync()
+        sync(runner.device)
         calls.append((phase["round"], phase["name"], phase["i"], sum(len(it.tokens) for it in items),
                       (time.perf_counter() - t0) * 1e3))
         phase["i"] += 1
@@ -61,22 +76,19 @@ def profile(runner: DraftRunner, b: int, k: int, fan: int, temp: float, c: float
 
     runner.forward = timed
     try:
-        ks = [-1] * b
         for r in range(rounds):
-            bonuses = torch.randint(0, 8000, (b,), generator=g).tolist()  # random bonus: a miss every round
             phase.update(name="backup", i=0, round=r)
-            sync()
+            sync(runner.device)
             t0 = time.perf_counter()
-            eng.speculate(Speculate(r + 1, rids, ks, bonuses, [temp] * b))
-            sync()
+            miss_round(eng, rids, g, r, temp)
+            sync(runner.device)
             answer = (time.perf_counter() - t0) * 1e3
             phase.update(name="build", i=0)
             t1 = time.perf_counter()
             eng.build_cache()
-            sync()
+            sync(runner.device)
             calls.append((r, "answer", 0, 0, answer))
             calls.append((r, "build_total", 0, 0, (time.perf_counter() - t1) * 1e3))
-            ks = [0] * b
     finally:
         runner.forward = orig
     out = {"batch": b, "k": k, "fan_out": fan, "temperature": temp, "saguaro_c": c}

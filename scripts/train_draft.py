@@ -17,6 +17,7 @@ Usage:
     taskset -c 0 python scripts/train_draft.py --out RUN_DIR --layers 2 --head-vocab 8192 --minutes 60
     python scripts/train_draft.py --out RUN_DIR --export assets/draft    # write the committed parameters
     taskset -c 0 python scripts/train_draft.py --out RUN_DIR --init assets/draft --lr 2e-4 --minutes 25  # fine-tune
+    taskset -c 0 python scripts/train_draft.py --out RUN_DIR --init assets/draft --grow --layers 4 ...  # deeper
 """
 
 from __future__ import annotations
@@ -128,6 +129,35 @@ def build_student(layers: int, head_ids: torch.Tensor, lens_tokens: int) -> Caus
     return student
 
 
+def grown_layers(missing: list[str], init: dict) -> list[int]:
+    """--grow: the decoder layers the student has past --init's (an exported draft of fewer layers)."""
+    have = {int(k.split(".")[2]) for k in init if k.startswith("model.layers.")}
+    return sorted({int(k.split(".")[2]) for k in missing if k.startswith("model.layers.")} - have)
+
+
+def grown_keys(student: CausalLM, layers: list[int]) -> list[str]:
+    return [k for k, _ in student.named_parameters() if any(k.startswith(f"model.layers.{i}.") for i in layers)]
+
+
+def load_init(student: CausalLM, init: dict, grow: bool, what: str) -> list[int]:
+    """Load an exported draft's parameters into the student; returns the grown layer indices.
+
+    With grow, the student's layers past init's keep the target's weights but their residual writes (o_proj,
+    down_proj) are zeroed: each such layer adds 0 to the residual stream, so the grown student computes exactly
+    init's function at step 0 and training starts from the trained draft, not from a perturbed one.
+    """
+    missing, unexpected = student.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                                   for k, v in init.items()}, strict=False)
+    grown = grown_layers(missing, init) if grow else []
+    if unexpected or set(missing) - {"model.embed_tokens.weight"} - set(grown_keys(student, grown)):
+        raise RuntimeError(f"{what} does not fit the student: missing {missing}, unexpected {unexpected}")
+    for i in grown:
+        layer = student.model.layers[i]
+        torch.nn.init.zeros_(layer.self_attn.o_proj.weight)
+        torch.nn.init.zeros_(layer.mlp.down_proj.weight)
+    return grown
+
+
 def trainable(student: CausalLM) -> dict[str, torch.nn.Parameter]:
     return {k: p for k, p in student.named_parameters() if p.requires_grad}
 
@@ -205,12 +235,9 @@ def train(args) -> None:
         args.head_vocab = len(head_ids)  # the initial draft's head decides (checkpoint args, export)
     student = build_student(args.layers, head_ids, args.lens_tokens)
     if init is not None:  # fine-tune an exported draft (its fp16 parameters, its head) instead of the lens start
-        missing, unexpected = student.load_state_dict({k: v.float() if v.is_floating_point() else v
-                                                       for k, v in init.items()}, strict=False)
-        if unexpected or set(missing) - {"model.embed_tokens.weight"}:
-            raise RuntimeError(f"--init {args.init} does not fit --layers {args.layers} / --head-vocab "
-                               f"{args.head_vocab}: missing {missing}, unexpected {unexpected}")
-        log.info("initialised from %s", args.init)
+        grown = load_init(student, init, args.grow, f"--init {args.init} --layers {args.layers}")
+        log.info("initialised from %s%s", args.init, f" + layers {grown} (the target's, residual writes zeroed)"
+                 if grown else "")
     remap = torch.full((student.cfg.vocab_size,), -1, dtype=torch.long)
     remap[head_ids] = torch.arange(len(head_ids))
     params = trainable(student)
@@ -330,6 +357,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--export", default=None, help="write the trained parameters to this dir and exit")
     ap.add_argument("--init", default=None, help="start from an exported draft (e.g. assets/draft): fine-tuning")
+    ap.add_argument("--grow", action="store_true",
+                    help="with --init of fewer layers than --layers: append the target's next layers with their "
+                         "residual writes (o_proj, down_proj) zeroed, so training starts from --init's function")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.manual_seed(args.seed)

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import stat
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -135,16 +134,13 @@ def test_curve_keys_config(model_dir, keys, tmp_path):
             SaguaroConfig.from_sources(model_dir, 3, env=_env(**kw))
 
 
-def test_draft_link_passes_the_keys_to_the_draft_and_the_client(model_dir, keys, monkeypatch):
-    from sglang_ssd.sglang import draft_link
+def test_draft_link_passes_the_keys_to_the_draft_and_the_client(model_dir, keys):
     from sglang_ssd.sglang.draft_link import DraftLink
+    from sglang_ssd.sglang.draft_process import draft_command
 
     cfg = SaguaroConfig.from_sources(model_dir, 3, env=_env(curve_keys=keys))
-    link = SimpleNamespace(cfg=cfg, endpoint="tcp://0.0.0.0:5555", proc=None, device=torch.device("cpu"))
-    monkeypatch.setattr(draft_link.subprocess, "Popen", lambda cmd: cmd)
-    DraftLink._spawn(link)
-    assert link.proc[link.proc.index("--curve-keys") + 1] == keys
-    monkeypatch.undo()
+    cmd = draft_command(cfg, "tcp://0.0.0.0:5555", torch.device("cpu"))
+    assert cmd[cmd.index("--curve-keys") + 1] == keys
     # a worker connecting to a running curve draft: the hello handshake goes through
     server = DraftServer.from_model_dir(model_dir, "tcp://127.0.0.1:*", curve_keys=keys)
     server.start_in_thread()

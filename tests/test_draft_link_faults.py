@@ -133,7 +133,7 @@ def test_confused_draft_rounds_fall_back_and_are_counted(case):
 def test_usable_drafts_accepts_only_trailing_padding():
     import torch
 
-    from sglang_ssd.sglang.draft_link import usable_drafts
+    from sglang_ssd.sglang.link_state import usable_drafts
 
     toks, cap = usable_drafts(torch.tensor([[4, 5, 6], [4, -1, -1], [-1, -1, -1], [V - 1, 0, -1]]), V)
     assert toks.tolist() == [[4, 5, 6], [4, 0, 0], [0, 0, 0], [V - 1, 0, 0]] and cap.tolist() == [3, 1, 0, 2]

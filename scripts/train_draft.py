@@ -104,7 +104,7 @@ def choose_head(pool: Pool, vocab: int, size: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------- model
 def build_student(layers: int, head_ids: torch.Tensor, lens_tokens: int) -> CausalLM:
     """Target's first `layers` layers + a tuned-lens head restricted to head_ids (fp32)."""
-    from prepare_models import fit_corpus, fit_lens
+    from tuned_lens import fit_corpus, fit_lens
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tdir = paths.target_path()
     hf = json.loads(Path(tdir, "config.json").read_text())

@@ -51,6 +51,8 @@ def server(v: dict, k: int, workdir: str) -> SGLangServer:
     extra = ["--dtype", v.get("target_dtype", "float32"), "--max-running-requests", "8"]
     env, name = {}, v["name"]
     endpoint, stats = f"ipc://{workdir}/{name}.sock", os.path.join(workdir, f"{name}.json")
+    if os.path.exists(stats):  # --fresh-servers: the previous repeat's server's counters are not this one's
+        os.remove(stats)
     if v["mode"] != "ar":
         extra += ["--speculative-algorithm", "saguaro", "--speculative-draft-model-path", v.get("draft", paths.draft_path())]
         extra += [] if k == "auto" else ["--speculative-num-steps", str(int(k))]
@@ -115,8 +117,9 @@ def report(state: dict) -> str:
     lines = [f"# Variants: {state['name']}", "",
              f"{state['machine']['cpu']}, {state['machine']['cores']} cores; torch {state['machine']['torch']}, "
              f"SGLang {state['machine']['sglang']}. Target on core 0, draft on core 1; K = {state['k']}, "
-             f"{state['tokens']} tokens per request (EOS ignored). Every variant's server is up for the whole run "
-             f"and each cell runs on every variant in turn, repeat after repeat (the other servers frozen with "
+             f"{state['tokens']} tokens per request (EOS ignored). Every variant's server is up for the whole "
+             + ("repeat (started anew each repeat) " if state.get("fresh_servers") else "run ")
+             + f"and each cell runs on every variant in turn, repeat after repeat (the other servers frozen with "
              f"SIGSTOP meanwhile: an idle SGLang scheduler spins), "
              f"so drift of the machine hits all variants alike; medians over {state['repeats']} repeat(s) "
              f"(repeat r uses bench_cpu's prompts of repeat r) (scripts/bench_variants.py).", "",
@@ -146,6 +149,37 @@ def report(state: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def start_all(stack: contextlib.ExitStack, args, tok, order, workdir: str) -> dict:
+    """Every variant's server, started one at a time, warmed, then frozen (an idle SGLang scheduler spins)."""
+    servers = {}
+    for v in args.variant:
+        srv = servers[v["name"]] = stack.enter_context(server(v, args.k, workdir))
+        stack.callback(_signal, srv, signal.SIGCONT)  # so that stopping it at exit can work
+        srv.generate(input_ids=encode_prompt(tok, order[0]), sampling_params={"max_new_tokens": 8})
+        _signal(srv, signal.SIGSTOP)
+        check_tree(v, os.path.join(workdir, f"{v['name']}.log"))
+    return servers
+
+
+def run_repeat(rep: int, args, servers: dict, tok, order, state: dict, out: Path) -> None:
+    """One repeat: every (T, b) cell on every variant in turn, the others frozen; ABBA order over repeats."""
+    for t in (float(x) for x in args.temps.split(",")):
+        for b in (int(x) for x in args.batches.split(",")):
+            c = {"tier": 1 if b == 1 else 2, "temperature": t, "batch": b, "rep": rep}
+            items = cell_prompts(order, c)
+            for v in (args.variant if rep % 2 == 0 else args.variant[::-1]):
+                srv = servers[v["name"]]
+                _signal(srv, signal.SIGCONT)
+                time.sleep(1.0)
+                r = run_cell(srv, c, [encode_prompt(tok, p) for p in items], args.tokens)
+                if os.path.exists(srv.stats_path):  # the K the server ran (auto: chosen)
+                    r["k"] = json.load(open(srv.stats_path)).get("k")
+                _signal(srv, signal.SIGSTOP)
+                state["cells"][f"{v['name']}|{t}|{b}|{rep}"] = {**c, "variant": v["name"], **r}
+                log.info("rep %d %s T=%g b=%d: %.2f tok/s", rep, v["name"], t, b, r["tok_s"])
+                out.with_suffix(".json").write_text(json.dumps(state, indent=1) + "\n")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--name", required=True)
@@ -155,6 +189,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--fresh-servers", action="store_true",
+                    help="start every server anew each repeat: identical SSD servers differ by ~5%% in the target's "
+                         "verify time for their whole life (results/variants_aa_spread.md), a factor that ABBA order "
+                         "does not cancel; fresh processes turn it into repeat-to-repeat spread")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from transformers import AutoTokenizer
@@ -162,32 +200,15 @@ def main(argv=None) -> int:
     order = ordered_prompts(json.loads(PROMPTS.read_text())["prompts"])
     out = RESULTS / f"variants_{args.name}"
     state = {"name": args.name, "machine": machine(), "k": args.k, "tokens": args.tokens,
-             "repeats": args.repeats, "variants": args.variant, "cells": {}}
+             "repeats": args.repeats, "variants": args.variant, "fresh_servers": args.fresh_servers, "cells": {}}
     workdir = tempfile.mkdtemp(prefix="bench-variants-")
     with contextlib.ExitStack() as stack:
-        servers = {}
-        for v in args.variant:  # started one at a time, each frozen once warm (an idle SGLang scheduler spins)
-            srv = servers[v["name"]] = stack.enter_context(server(v, args.k, workdir))
-            stack.callback(_signal, srv, signal.SIGCONT)  # so that stopping it at exit can work
-            srv.generate(input_ids=encode_prompt(tok, order[0]), sampling_params={"max_new_tokens": 8})
-            _signal(srv, signal.SIGSTOP)
-            check_tree(v, os.path.join(workdir, f"{v['name']}.log"))
+        servers = {} if args.fresh_servers else start_all(stack, args, tok, order, workdir)
         for rep in range(args.repeats):
-            for t in (float(x) for x in args.temps.split(",")):
-                for b in (int(x) for x in args.batches.split(",")):
-                    c = {"tier": 1 if b == 1 else 2, "temperature": t, "batch": b, "rep": rep}
-                    items = cell_prompts(order, c)
-                    variants = args.variant if rep % 2 == 0 else args.variant[::-1]  # ABBA order
-                    for v in variants:
-                        _signal(servers[v["name"]], signal.SIGCONT)
-                        time.sleep(1.0)
-                        r = run_cell(servers[v["name"]], c, [encode_prompt(tok, p) for p in items], args.tokens)
-                        if os.path.exists(servers[v["name"]].stats_path):  # the K the server ran (auto: chosen)
-                            r["k"] = json.load(open(servers[v["name"]].stats_path)).get("k")
-                        _signal(servers[v["name"]], signal.SIGSTOP)
-                        state["cells"][f"{v['name']}|{t}|{b}|{rep}"] = {**c, "variant": v["name"], **r}
-                        log.info("rep %d %s T=%g b=%d: %.2f tok/s", rep, v["name"], t, b, r["tok_s"])
-                        out.with_suffix(".json").write_text(json.dumps(state, indent=1) + "\n")
+            with contextlib.ExitStack() as rep_stack:
+                if args.fresh_servers:  # new processes each repeat: a per-process speed factor becomes repeat noise
+                    servers = start_all(rep_stack, args, tok, order, workdir)
+                run_repeat(rep, args, servers, tok, order, state, out)
             out.with_suffix(".md").write_text(report(state))
     print(out.with_suffix(".md").read_text())
     return 0

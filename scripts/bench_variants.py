@@ -190,8 +190,8 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--fresh-servers", action="store_true",
-                    help="start every server anew each repeat: identical SSD servers differ by ~5%% in the target's "
-                         "verify time for their whole life (results/variants_aa_spread.md), a factor that ABBA order "
+                    help="start every server anew each repeat: identical SSD servers kept target verify times up "
+                         "to 10-13%% apart for their whole life (results/variants_aa_spread.md), a factor that ABBA order "
                          "does not cancel; fresh processes turn it into repeat-to-repeat spread")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

@@ -104,7 +104,7 @@ def choose_head(pool: Pool, vocab: int, size: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------- model
 def build_student(layers: int, head_ids: torch.Tensor, lens_tokens: int) -> CausalLM:
     """Target's first `layers` layers + a tuned-lens head restricted to head_ids (fp32)."""
-    from tuned_lens import fit_corpus, fit_lens
+    from tuned_lens import fit_corpus, fit_lens, lens_head
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tdir = paths.target_path()
     hf = json.loads(Path(tdir, "config.json").read_text())
@@ -117,9 +117,7 @@ def build_student(layers: int, head_ids: torch.Tensor, lens_tokens: int) -> Caus
     tok = AutoTokenizer.from_pretrained(tdir)
     target = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
     m = fit_lens(target, fit_corpus(tok, lens_tokens, 256, seed=0), layers, ridge=1e-3)
-    w = tsd["model.embed_tokens.weight"].double()
-    g = tsd["model.norm.weight"].double()
-    sd["lm_head.weight"] = ((w[head_ids] * g) @ m.T).float()  # lm_head = (E * g) M^T, final norm weight = 1
+    sd["lm_head.weight"] = lens_head(tsd["model.embed_tokens.weight"][head_ids], tsd["model.norm.weight"], m)
     sd["model.norm.weight"] = torch.ones_like(tsd["model.norm.weight"])
     sd["head_ids"] = head_ids.clone()
     missing, unexpected = student.load_state_dict(sd, strict=False)

@@ -53,6 +53,11 @@ def fit_lens(target, chunks: list[list[int]], layer: int, ridge: float) -> torch
     return torch.linalg.solve(xtx + reg * torch.eye(d, dtype=torch.float64), xty)
 
 
+def lens_head(embed_rows: torch.Tensor, norm_weight: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The untied head (E * g_final) @ M^T (float64 product, fp32 result); its final norm weight is then 1."""
+    return ((embed_rows.double() * norm_weight.double()) @ m.T).float()
+
+
 @torch.no_grad()
 def build_draft(target, layers: int, m: torch.Tensor):
     import copy
@@ -65,9 +70,7 @@ def build_draft(target, layers: int, m: torch.Tensor):
     draft = LlamaForCausalLM(cfg).eval()
     sd = {k: v for k, v in target.state_dict().items()
           if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
-    w = target.model.embed_tokens.weight.detach().double()
-    g = target.model.norm.weight.detach().double()
-    sd["lm_head.weight"] = ((w * g) @ m.T).float()
+    sd["lm_head.weight"] = lens_head(target.model.embed_tokens.weight.detach(), target.model.norm.weight.detach(), m)
     sd["model.norm.weight"] = torch.ones_like(target.model.norm.weight)
     res = draft.load_state_dict(sd, strict=False)
     if res.missing_keys or res.unexpected_keys:

@@ -1,6 +1,6 @@
 """What DraftLink keeps between rounds: the proposal handed to the verifier, what the draft holds per
-request (as far as the worker knows), a request whose reply missed its deadline, and the counters (with
-their per-round bookkeeping and the stats file's form), and the check of a reply's token rows."""
+request (as far as the worker knows), a request whose reply missed its deadline, the counters (with
+their per-round bookkeeping and the stats file's form) and the check of a reply's token rows."""
 
 from __future__ import annotations
 

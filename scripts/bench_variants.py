@@ -149,13 +149,16 @@ def report(state: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def start_all(stack: contextlib.ExitStack, args, tok, order, workdir: str) -> dict:
-    """Every variant's server, started one at a time, warmed, then frozen (an idle SGLang scheduler spins)."""
+def start_all(stack: contextlib.ExitStack, args, tok, order, workdir: str, state: dict) -> dict:
+    """Every variant's server, started one at a time, warmed, then frozen (an idle SGLang scheduler spins).
+    Records each server's anonymous memory on huge pages (MB, all its processes) in state["huge_pages_mb"]."""
     servers = {}
     for v in args.variant:
         srv = servers[v["name"]] = stack.enter_context(server(v, args.k, workdir))
         stack.callback(_signal, srv, signal.SIGCONT)  # so that stopping it at exit can work
         srv.generate(input_ids=encode_prompt(tok, order[0]), sampling_params={"max_new_tokens": 8})
+        hp = sum(p["anon_huge_kb"] for p in srv.huge_pages().values()) // 1024
+        state.setdefault("huge_pages_mb", {}).setdefault(v["name"], []).append(hp)
         _signal(srv, signal.SIGSTOP)
         check_tree(v, os.path.join(workdir, f"{v['name']}.log"))
     return servers
@@ -203,11 +206,11 @@ def main(argv=None) -> int:
              "repeats": args.repeats, "variants": args.variant, "fresh_servers": args.fresh_servers, "cells": {}}
     workdir = tempfile.mkdtemp(prefix="bench-variants-")
     with contextlib.ExitStack() as stack:
-        servers = {} if args.fresh_servers else start_all(stack, args, tok, order, workdir)
+        servers = {} if args.fresh_servers else start_all(stack, args, tok, order, workdir, state)
         for rep in range(args.repeats):
             with contextlib.ExitStack() as rep_stack:
                 if args.fresh_servers:  # new processes each repeat: a per-process speed factor becomes repeat noise
-                    servers = start_all(rep_stack, args, tok, order, workdir)
+                    servers = start_all(rep_stack, args, tok, order, workdir, state)
                 run_repeat(rep, args, servers, tok, order, state, out)
             out.with_suffix(".md").write_text(report(state))
     print(out.with_suffix(".md").read_text())

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Optional
 
 import requests
@@ -101,6 +103,26 @@ class SGLangServer:
 
     def server_info(self) -> dict:
         return requests.get(self.url + "/server_info", timeout=10).json()
+
+    def huge_pages(self) -> dict[int, dict]:
+        """Per process of the server's process group (launcher, scheduler, detokenizer, the draft it spawned):
+        its GLIBC_TUNABLES and the kB of its anonymous memory on transparent huge pages (Linux /proc)."""
+        out = {}
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                if self.proc is None or os.getpgid(int(d.name)) != self.proc.pid:
+                    continue
+                env = dict(kv.split("=", 1) for kv in (d / "environ").read_text().split("\0") if "=" in kv)
+                rollup = (d / "smaps_rollup").read_text()
+                cmd = (d / "cmdline").read_text().replace("\0", " ").strip()
+            except (OSError, ProcessLookupError, ValueError):
+                continue
+            thp = re.search(r"^AnonHugePages:\s+(\d+) kB", rollup, re.M)
+            out[int(d.name)] = {"cmd": cmd[:120], "tunables": env.get("GLIBC_TUNABLES", ""),
+                                "anon_huge_kb": int(thp.group(1)) if thp else 0}
+        return out
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

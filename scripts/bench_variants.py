@@ -154,7 +154,12 @@ def start_all(stack: contextlib.ExitStack, args, tok, order, workdir: str, state
     Records each server's anonymous memory on huge pages (MB, all its processes) in state["huge_pages_mb"]."""
     servers = {}
     for v in args.variant:
-        srv = servers[v["name"]] = stack.enter_context(server(v, args.k, workdir))
+        try:
+            srv = stack.enter_context(server(v, args.k, workdir))
+        except (RuntimeError, TimeoutError) as e:  # e.g. SGLang's own post-start request timing out (10 s)
+            log.warning("%s: start failed (%s); starting it once more", v["name"], e)
+            srv = stack.enter_context(server(v, args.k, workdir))
+        servers[v["name"]] = srv
         stack.callback(_signal, srv, signal.SIGCONT)  # so that stopping it at exit can work
         srv.generate(input_ids=encode_prompt(tok, order[0]), sampling_params={"max_new_tokens": 8})
         hp = sum(p["anon_huge_kb"] for p in srv.huge_pages().values()) // 1024
@@ -196,6 +201,8 @@ def main(argv=None) -> int:
                     help="start every server anew each repeat: identical SSD servers kept target verify times up "
                          "to 10-13%% apart for their whole life (results/variants_aa_spread.md), a factor that ABBA order "
                          "does not cancel; fresh processes turn it into repeat-to-repeat spread")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the complete repeats of results/variants_<name>.json (same variants) and run the rest")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from transformers import AutoTokenizer
@@ -204,10 +211,23 @@ def main(argv=None) -> int:
     out = RESULTS / f"variants_{args.name}"
     state = {"name": args.name, "machine": machine(), "k": args.k, "tokens": args.tokens,
              "repeats": args.repeats, "variants": args.variant, "fresh_servers": args.fresh_servers, "cells": {}}
+    done = set()
+    if args.resume and out.with_suffix(".json").exists():  # keep the finished repeats of an interrupted run
+        old = json.loads(out.with_suffix(".json").read_text())
+        if old["variants"] != args.variant or old["k"] != args.k or old["tokens"] != args.tokens:
+            raise SystemExit(f"--resume: {out.with_suffix('.json')} was a run of other variants / K / tokens")
+        n_cells = len(args.variant) * len(args.temps.split(",")) * len(args.batches.split(","))
+        reps = [c["rep"] for c in old["cells"].values()]
+        done = {r for r in set(reps) if reps.count(r) == n_cells}
+        state["cells"] = {k: c for k, c in old["cells"].items() if c["rep"] in done}
+        state["huge_pages_mb"] = old.get("huge_pages_mb", {})
+        log.info("resuming %s: repeats %s done", out.name, sorted(done))
     workdir = tempfile.mkdtemp(prefix="bench-variants-")
     with contextlib.ExitStack() as stack:
         servers = {} if args.fresh_servers else start_all(stack, args, tok, order, workdir, state)
         for rep in range(args.repeats):
+            if rep in done:
+                continue
             with contextlib.ExitStack() as rep_stack:
                 if args.fresh_servers:  # new processes each repeat: a per-process speed factor becomes repeat noise
                     servers = start_all(rep_stack, args, tok, order, workdir, state)

@@ -19,7 +19,7 @@ from sglang_ssd.draft.engine import DraftEngine, EngineError
 from sglang_ssd.draft.runner import DraftRunner
 from sglang_ssd.draft.server import DraftServer
 from sglang_ssd.protocol import PROTOCOL_VERSION, Hello, Prefill, Speculate, decode
-from tests.test_draft_server import check_q
+from tests.draft_helpers import check_q
 from tests.tiny_models import greedy_reference, make_tiny_model, next_logits
 
 torch.set_num_threads(1)

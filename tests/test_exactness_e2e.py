@@ -146,7 +146,7 @@ def run(pair, path: str, temp: float, seed: int, broken: str = "", verifier: str
     outcome = {r: (0, x) for r, x in zip(rids, x1)}
     live, late_misses, rounds, hits, fast_rows = list(rids), 0, 0, 0, 0
     missed = set()
-    wide_ids = set()  # hybrid: ids outside the head its copies used (its sparse form: test_draft_server.py)
+    wide_ids = set()  # hybrid: ids outside the head its copies used (its sparse form: test_draft_backups.py)
     while live:
         rnd += 1
         reply = e.speculate(_spec(rnd, live, [outcome[r][0] for r in live], [outcome[r][1] for r in live],

@@ -15,8 +15,8 @@ import torch
 import sglang_ssd.saguaro.verify as verify
 from sglang_ssd.saguaro.proposal import dequantize_proposal, quantize_proposal
 from sglang_ssd.saguaro.verify import verify_chain, verify_chain_logits
-from tests.test_verify import (N, draw_chains, extend_and_count, g_test_pvalue, greedy_reference, joint_vector,
-                               make_tables, saguaro_q)
+from tests.test_verify import N, draw_chains, extend_and_count, g_test_pvalue, joint_vector, make_tables, saguaro_q
+from tests.test_verify_api import greedy_reference
 
 
 def _logits(p: torch.Tensor, temp: float) -> torch.Tensor:

@@ -19,27 +19,16 @@ from sglang_ssd.draft.engine import DraftEngine, EngineError
 from sglang_ssd.draft.runner import DraftRunner
 from sglang_ssd.draft.server import DraftServer
 from sglang_ssd.protocol import PROTOCOL_VERSION, Hello, Prefill, Speculate, decode
-from tests.draft_helpers import check_q
-from tests.tiny_models import greedy_reference, make_tiny_model, next_logits
+from tests.draft_helpers import FAN, K, V, check_q
+from tests.draft_helpers import model_dir, runner  # noqa: F401  (fixtures: the tiny draft of the draft tests)
+from tests.tiny_models import greedy_reference, next_logits
 
 torch.set_num_threads(1)
 
-K, V = 3, 96
-FAN = [2, 1, 1, 2]
 PROMPTS = {"r0": [5, 9, 17, 33, 2], "r1": [40, 41], "r2": [7, 8, 9, 10, 11, 12, 13]}
 TEMPS = {"r0": 0.0, "r1": 0.0, "r2": 0.8}
 BONUS = {"r0": 3, "r1": 50, "r2": 21}
 RIDS = list(PROMPTS)
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return make_tiny_model(vocab_size=V, seed=1)
-
-
-@pytest.fixture(scope="module")
-def runner(model_dir):
-    return DraftRunner.from_dir(model_dir)
 
 
 class Stopper:

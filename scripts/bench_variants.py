@@ -27,7 +27,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -81,15 +80,6 @@ def check_tree(v: dict, log_path: str) -> None:
     if got is not None and got != want:
         raise SystemExit(f"variant {v['name']} runs sglang_ssd from {got}, not {want}")
     log.info("variant %s: sglang_ssd from %s", v["name"], got or "(not logged: a tree older than this check)")
-
-
-def _signal(srv: SGLangServer, sig: int) -> None:
-    """SIGSTOP / SIGCONT a server's whole process group (its scheduler, tokenizer, detokenizer and the draft
-    it spawned): only the variant being measured runs."""
-    try:
-        os.killpg(srv.proc.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _median(xs: list) -> float:
@@ -160,11 +150,10 @@ def start_all(stack: contextlib.ExitStack, args, tok, order, workdir: str, state
             log.warning("%s: start failed (%s); starting it once more", v["name"], e)
             srv = stack.enter_context(server(v, args.k, workdir))
         servers[v["name"]] = srv
-        stack.callback(_signal, srv, signal.SIGCONT)  # so that stopping it at exit can work
         srv.generate(input_ids=encode_prompt(tok, order[0]), sampling_params={"max_new_tokens": 8})
         hp = sum(p["anon_huge_kb"] for p in srv.huge_pages().values()) // 1024
         state.setdefault("huge_pages_mb", {}).setdefault(v["name"], []).append(hp)
-        _signal(srv, signal.SIGSTOP)
+        srv.pause()
         check_tree(v, os.path.join(workdir, f"{v['name']}.log"))
     return servers
 
@@ -177,12 +166,12 @@ def run_repeat(rep: int, args, servers: dict, tok, order, state: dict, out: Path
             items = cell_prompts(order, c)
             for v in (args.variant if rep % 2 == 0 else args.variant[::-1]):
                 srv = servers[v["name"]]
-                _signal(srv, signal.SIGCONT)
+                srv.resume()
                 time.sleep(1.0)
                 r = run_cell(srv, c, [encode_prompt(tok, p) for p in items], args.tokens)
                 if os.path.exists(srv.stats_path):  # the K the server ran (auto: chosen)
                     r["k"] = json.load(open(srv.stats_path)).get("k")
-                _signal(srv, signal.SIGSTOP)
+                srv.pause()
                 state["cells"][f"{v['name']}|{t}|{b}|{rep}"] = {**c, "variant": v["name"], **r}
                 log.info("rep %d %s T=%g b=%d: %.2f tok/s", rep, v["name"], t, b, r["tok_s"])
                 out.with_suffix(".json").write_text(json.dumps(state, indent=1) + "\n")

@@ -124,7 +124,24 @@ class SGLangServer:
                                 "anon_huge_kb": int(thp.group(1)) if thp else 0}
         return out
 
+    def pause(self) -> None:
+        """SIGSTOP the server's whole process group (launcher, scheduler, detokenizer and the draft it
+        spawned): an idle SGLang scheduler spins at about half a core, so servers measured side by side
+        take turns, the others paused."""
+        self._signal_group(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal_group(signal.SIGCONT)
+
+    def _signal_group(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
     def stop(self) -> None:
+        self.resume()  # a paused process group would hold SIGTERM until it is continued
         if self.proc is not None and self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)

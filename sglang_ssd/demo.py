@@ -45,7 +45,7 @@ def start_server(mode: str, args, prompts: list[list[int]], workdir: str, stack:
         extra += ["--speculative-algorithm", "saguaro", "--speculative-draft-model-path", args.draft]
         extra += ["--speculative-num-steps", str(args.k)] if args.k else []  # none: the plugin measures, picks
         env["SGLANG_SSD_CONFIG"] = json.dumps({"mode": "sync" if mode == "sd" else "async", "fan_out": args.fan_out,
-                                               "draft_dtype": args.dtype,
+                                               "draft_dtype": args.draft_dtype,
                                                "stats_file": os.path.join(workdir, f"{mode}_stats.json")})
     t0 = time.perf_counter()
     srv = stack.enter_context(SGLangServer(args.target, extra, env=env, cpu_core=0,
@@ -95,7 +95,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--passes", type=int, default=2, help="times each prompt runs on each mode")
     ap.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"],
-                    help="float32 by default: this class of CPU (AVX2, no AMX) gains nothing from bf16")
+                    help="the target's dtype; float32 by default: this class of CPU (AVX2, no AMX) gains nothing "
+                         "from bf16")
+    ap.add_argument("--draft-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="the draft's dtype; auto (the plugin's default): bfloat16 where this CPU's bf16 products "
+                         "are measured faster (sglang_ssd/draft/cpu_dtype.py), else float32")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from transformers import AutoTokenizer

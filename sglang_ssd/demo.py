@@ -5,7 +5,8 @@ speculative decoding (SD = saguaro sync mode) and with SSD (saguaro async mode).
 The target runs pinned to core 0; the draft process pins itself to the last core (SD uses the same
 two cores, so SD and SSD run on identical hardware).  All modes' servers are up together and take turns
 prompt by prompt, the idle ones paused: run one mode after another instead and a shared machine's drift
-over those minutes lands on whichever mode ran last (seen: SSD at 0.79x AR alone, 1.30x side by side).
+over those minutes lands on whichever mode ran last (seen on an Intel Xeon VM: SSD at 0.79x AR run last,
+1.09-1.18x side by side; results/variants_xeon2_interference.md).
 """
 
 from __future__ import annotations

@@ -108,21 +108,33 @@ class SGLangServer:
         """Per process of the server's process group (launcher, scheduler, detokenizer, the draft it spawned):
         its GLIBC_TUNABLES and the kB of its anonymous memory on transparent huge pages (Linux /proc)."""
         out = {}
-        for d in Path("/proc").iterdir():
-            if not d.name.isdigit():
-                continue
+        for pid in self.group_pids():
+            d = Path(f"/proc/{pid}")
             try:
-                if self.proc is None or os.getpgid(int(d.name)) != self.proc.pid:
-                    continue
                 env = dict(kv.split("=", 1) for kv in (d / "environ").read_text().split("\0") if "=" in kv)
                 rollup = (d / "smaps_rollup").read_text()
                 cmd = (d / "cmdline").read_text().replace("\0", " ").strip()
             except (OSError, ProcessLookupError, ValueError):
                 continue
             thp = re.search(r"^AnonHugePages:\s+(\d+) kB", rollup, re.M)
-            out[int(d.name)] = {"cmd": cmd[:120], "tunables": env.get("GLIBC_TUNABLES", ""),
-                                "anon_huge_kb": int(thp.group(1)) if thp else 0}
+            out[pid] = {"cmd": cmd[:120], "tunables": env.get("GLIBC_TUNABLES", ""),
+                        "anon_huge_kb": int(thp.group(1)) if thp else 0}
         return out
+
+    def group_pids(self) -> list[int]:
+        """The live processes of the server's process group (launcher, scheduler, detokenizer, its draft)."""
+        pids = []
+        if self.proc is None:
+            return pids
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                if os.getpgid(int(d.name)) == self.proc.pid:
+                    pids.append(int(d.name))
+            except (OSError, ProcessLookupError):
+                continue
+        return pids
 
     def pause(self) -> None:
         """SIGSTOP the server's whole process group (launcher, scheduler, detokenizer and the draft it

@@ -16,14 +16,10 @@ from sglang_ssd.serving import SGLangServer
 def _states(srv: SGLangServer) -> set[str]:
     """The scheduler-visible states (R, S, T, ...) of every process in the server's process group."""
     out = set()
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
+    for pid in srv.group_pids():
         try:
-            if os.getpgid(int(d)) != srv.proc.pid:
-                continue
-            stat = open(f"/proc/{d}/stat").read()
-        except (OSError, ProcessLookupError):
+            stat = open(f"/proc/{pid}/stat").read()
+        except OSError:  # exited since it was listed
             continue
         out.add(stat[stat.rindex(")") + 2])
     return out

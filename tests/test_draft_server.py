@@ -129,10 +129,23 @@ def draft_proc(model_dir, tmp_path_factory):
         proc.wait(10)
 
 
+def _wait_for_build(client, builds: int, timeout_s: float = 60.0) -> None:
+    """Block until the draft has finished `builds` cache builds.  Health is answered during a build
+    without cutting it (any other message would cut it), so the next Speculate finds the whole cache:
+    without this wait the hit count depends on whether this process or the draft is faster."""
+    deadline = time.monotonic() + timeout_s
+    while (h := client.health())["builds"] < builds:
+        assert time.monotonic() < deadline, f"draft finished {h['builds']} of {builds} builds"
+        time.sleep(0.005)
+    assert h["builds_cut"] == 0, h
+
+
 def _remote_rounds(runner, client, temps: dict[str, float], rounds: int, mode: str) -> int:
     """Drive rounds through the real socket; outcomes 'all K accepted + draft's top bonus' are cached
-    (fan_out[K] >= 1), so in async mode every round after the first must hit."""
+    (fan_out[K] >= 1), so in async mode every round after the first must hit -- once the build that
+    follows each reply has finished (_wait_for_build)."""
     rids = list(PROMPTS)
+    builds = client.health()["builds"]
     client.prefill(rids, [PROMPTS[r] for r in rids], [temps[r] for r in rids])
     ctx = {r: list(PROMPTS[r]) for r in rids}
     ks, bonuses = [-1] * 3, [3, 4, 5]
@@ -142,6 +155,9 @@ def _remote_rounds(runner, client, temps: dict[str, float], rounds: int, mode: s
             ctx[r] += (spec[r][:k] if k >= 0 else []) + [b]
         reply = client.speculate(rnd, rids, ks, bonuses, [temps[r] for r in rids])
         spec = {r: reply.tokens[i].tolist() for i, r in enumerate(rids)}
+        if mode == "async":
+            builds += 1
+            _wait_for_build(client, builds)
         if mode == "async" and rnd > 0:
             assert reply.hit.all(), rnd
         if mode == "sync":

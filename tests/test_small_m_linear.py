@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sglang_ssd.cpu import small_m_linear as sm
 from sglang_ssd.cpu.small_m_linear import applies, max_rows, small_m_linear
 
 
@@ -44,8 +45,36 @@ def test_only_float32_cpu_few_rows_are_rerouted():
         small_m_linear(torch.randn(4, 3), w)
 
 
+needs_onednn = pytest.mark.skipif(not sm.packed_available(), reason="this torch build has no oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [2, 4, 7, 32])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_form_is_the_same_product(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=g)
+    w = torch.randn(96, 64, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    for form in sm.FORMS:
+        y = sm.run_form(form, x.view(1, rows, 64), w, b)
+        assert y.shape == (1, rows, 96)
+        torch.testing.assert_close(y[0], F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@needs_onednn
+def test_packed_copy_is_made_once_and_remade_when_the_weight_changes():
+    w, x = torch.randn(96, 64), torch.randn(4, 64)
+    p1 = sm.packed_weight(w)
+    assert sm.packed_weight(w) is p1  # kept on the weight
+    w.mul_(2)  # an in-place update (e.g. update_weights): the old packed copy would give the old product
+    p2 = sm.packed_weight(w)
+    assert p2 is not p1
+    torch.testing.assert_close(sm.packed(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
 def test_env_knob():
-    assert max_rows({}) == 5 and max_rows({"SGLANG_SSD_SMALL_M_LINEAR": "0"}) == 0
+    assert max_rows({}) == 32 and max_rows({"SGLANG_SSD_SMALL_M_LINEAR": "0"}) == 0
     with pytest.raises(ValueError, match="SGLANG_SSD_SMALL_M_LINEAR"):
         max_rows({"SGLANG_SSD_SMALL_M_LINEAR": "x"})
     with pytest.raises(ValueError, match=">= 0"):
@@ -53,23 +82,24 @@ def test_env_knob():
 
 
 HOOK_CHECK = textwrap.dedent("""
-    import types, torch, torch.nn.functional as F
+    import os, types, torch, torch.nn.functional as F
     from sglang_ssd.sglang import cpu_linear, plugin
     from sglang.srt.plugins.hook_registry import HookRegistry
-    calls, real = [], cpu_linear.wxt
-    cpu_linear.wxt = lambda x, *a, **k: (calls.append(x.shape[0]), real(x, *a, **k))[1]
+    calls, real = [], cpu_linear.run_form
+    cpu_linear.run_form = lambda form, x, *a, **k: (calls.append((form, x.shape[0])), real(form, x, *a, **k))[1]
     plugin.register()
     HookRegistry.apply_hooks()
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
     from sglang.srt.layers.logits_processor import LogitsProcessor
+    form = os.environ["SGLANG_SSD_SMALL_M_ROUTE"]
     w = torch.randn(96, 64)
     layer = types.SimpleNamespace(weight=w)
-    for m in (1, 4, 8):
+    for m in (1, 4, 40):
         x = torch.randn(m, 64)
         y = UnquantizedLinearMethod().apply(layer, x)
         assert torch.allclose(y, F.linear(x, w), atol=1e-4)
         if m == 4 and calls:
-            assert torch.equal(y, torch.mm(w, x.t()).t())
+            assert torch.equal(y, real(form, x, w))
     head = types.SimpleNamespace(weight=w, quant_method=None)
     lp = types.SimpleNamespace(use_fp32_lm_head=False, rl_on_policy_target=None)
     x = torch.randn(4, 64)
@@ -78,34 +108,40 @@ HOOK_CHECK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.parametrize("form", ["wxt", pytest.param("packed", marks=needs_onednn)])
 @pytest.mark.parametrize("cpu_engine", ["1", "0"])
-def test_hooks_route_sglang_matmuls_on_the_cpu_engine_only(cpu_engine):
+def test_hooks_route_sglang_matmuls_on_the_cpu_engine_only(cpu_engine, form):
     """In a fresh process (hooks patch SGLang's classes for good): with SGLANG_USE_CPU_ENGINE=1 the plugin
-    routes a 4-row UnquantizedLinearMethod.apply and the plain lm-head product through the W @ x^T product
-    (a spy counts the calls), 1- and 8-row calls stay F.linear; without the CPU engine nothing is rerouted."""
-    env = dict(os.environ, SGLANG_USE_CPU_ENGINE=cpu_engine, SGLANG_SSD_SMALL_M_ROUTE="wxt")  # not timing-dependent
+    routes a 4-row UnquantizedLinearMethod.apply and the plain lm-head product through the fixed form
+    (a spy counts the calls), 1- and 40-row calls (beyond the 32-row default) stay F.linear; without the
+    CPU engine nothing is rerouted."""
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE=cpu_engine, SGLANG_SSD_SMALL_M_ROUTE=form)  # not timing-dependent
     env.pop("SGLANG_SSD_SMALL_M_LINEAR", None)
     out = subprocess.run([sys.executable, "-c", HOOK_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("ROUTED")][-1]
-    assert line == ("ROUTED [4, 4]" if cpu_engine == "1" else "ROUTED []"), line
+    assert line == (f"ROUTED [('{form}', 4), ('{form}', 4)]" if cpu_engine == "1" else "ROUTED []"), line
 
 
-def test_measured_route_follows_the_faster_form_once_per_shape(monkeypatch):
-    """Route "measure": the first call of a (shape, M) times both forms and keeps the faster (W @ x^T only
-    when >= 10% faster); later calls of that shape do not time again; other routes are fixed."""
-    from sglang_ssd.cpu import small_m_linear as sm
-
+def test_measured_route_follows_the_fastest_form_once_per_shape(monkeypatch):
+    """Route "measure": the first call of a (shape, M) times every form and keeps the fastest (another
+    form than F.linear only when >= 10% faster); later calls of that shape do not time again; other routes
+    are fixed."""
     timed = []
-    cost = {"linear": 1.0, "wxt": 0.5}
+    cost = {"linear": 1.0, "wxt": 0.5, "packed": 0.7}
     monkeypatch.setattr(sm, "_best_time", lambda label, fn: (timed.append(label), cost[label])[1])
     monkeypatch.setattr(sm, "_CHOICE", {})
-    w, x4, x3 = torch.randn(24, 16), torch.randn(4, 16), torch.randn(3, 16)
-    assert sm.prefer_wxt(x4, w, "measure") and timed == ["linear", "wxt"]
-    assert sm.prefer_wxt(x4, w, "measure") and len(timed) == 2  # kept: no second timing
-    cost["wxt"] = 0.95  # not 10% faster: F.linear
-    assert not sm.prefer_wxt(x3, w, "measure") and len(timed) == 4
-    assert sm.prefer_wxt(x3, w, "wxt") and not sm.prefer_wxt(x4, w, "linear") and len(timed) == 4
-    assert sm.route({}) == "measure" and sm.route({"SGLANG_SSD_SMALL_M_ROUTE": "WXT"}) == "wxt"
+    monkeypatch.setattr(sm, "packed_available", lambda: True)
+    w, x4, x3, x5 = torch.randn(24, 16), torch.randn(4, 16), torch.randn(3, 16), torch.randn(5, 16)
+    assert sm.form_for(x4, w, "measure") == "wxt" and timed == ["linear", "wxt", "packed"]
+    assert sm.form_for(x4, w, "measure") == "wxt" and len(timed) == 3  # kept: no second timing
+    cost.update(wxt=0.95, packed=0.92)  # neither 10% faster: F.linear
+    assert sm.form_for(x3, w, "measure") == "linear" and len(timed) == 6
+    cost.update(packed=0.4)
+    assert sm.form_for(x5, w, "measure") == "packed" and len(timed) == 9
+    assert sm.form_for(x3, w, "wxt") == "wxt" and sm.form_for(x4, w, "linear") == "linear" and len(timed) == 9
+    monkeypatch.setattr(sm, "packed_available", lambda: False)
+    assert sm.form_for(x4, w, "packed") == "linear"  # no oneDNN: the fixed route falls back
+    assert sm.route({}) == "measure" and sm.route({"SGLANG_SSD_SMALL_M_ROUTE": "PACKED"}) == "packed"
     with pytest.raises(ValueError, match="SMALL_M_ROUTE"):
         sm.route({"SGLANG_SSD_SMALL_M_ROUTE": "fast"})

@@ -4,7 +4,8 @@
 per layer and the lm head), float32, and times the products a forward over m rows per request makes, on one
 thread (the CPU recipe's target thread), for each m, by the route the server will take
 (sglang_ssd/cpu/small_m_linear.py: F.linear for one row; for 2 <= m <= SGLANG_SSD_SMALL_M_LINEAR the
-faster of F.linear and W @ x^T under the default "measure" route, else the fixed one).  Weights are
+fastest of F.linear, W @ x^T and the oneDNN-packed weight under the default "measure" route, else the
+fixed one).  Weights are
 filled, not random (same timing; fast to make), and distinct per layer up to PROBE_BYTES so that none stays
 in cache, as in the real forward; the rest of the layers are counted by scaling.  About 2-4 s for
 SmolLM2-135M.  sglang_ssd/saguaro/k_choice.py turns the costs into K.
@@ -17,7 +18,6 @@ import logging
 import os
 
 import torch
-import torch.nn.functional as F
 
 from sglang_ssd.cpu import small_m_linear as sml
 
@@ -37,9 +37,9 @@ def target_shapes(hf: dict) -> tuple[list[tuple[int, int]], tuple[int, int], int
 
 def _product(x: torch.Tensor, w: torch.Tensor, route: str, m_max: int) -> float:
     """Seconds of one x [m, in] by w [out, in] product by the server's route for m rows: the same
-    ``applies`` / ``prefer_wxt`` decision cpu_linear makes (measured once per shape under "measure")."""
-    use_wxt = sml.applies(x, w, m_max) and sml.prefer_wxt(x, w, route)
-    return sml._best_time("probe", (lambda: torch.mm(w, x.t())) if use_wxt else (lambda: F.linear(x, w)))
+    ``applies`` / ``form_for`` decision cpu_linear makes (measured once per shape under "measure")."""
+    form = sml.form_for(x, w, route) if sml.applies(x, w, m_max) else "linear"
+    return sml._best_time("probe", lambda: sml.run_form(form, x, w))
 
 
 def linear_row_costs(hf: dict, rows, env=None) -> dict[int, float]:

@@ -12,16 +12,24 @@ scripts/bench_small_m.py).  Through the server this cut a b = 1 chain verify fro
 On an Intel Xeon (AVX-512) core the same shapes behave the other way round: ``F.linear`` costs 1.07-1.15x
 for 2-3 rows and 1.86-1.94x for 4-5, the W @ x^T form 2.1-2.3x for every M >= 2
 (results/small_m_linear_xeon.md).
-So the route is not fixed but **measured**: the first product of each (weight shape, M) times both forms
-on that very input (best of a few calls each, once per process, well under a second in all) and keeps
-W @ x^T only where it is at least 10% faster; every later call takes the kept route.
+A third form, **packed**: the weight reordered once into oneDNN's blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``, the layout inductor's CPU backend uses) and multiplied with
+``torch.ops.mkldnn._linear_pointwise``.  No per-call packing of the weight, so from 4 rows on it stays close
+to the one-row time where F.linear's sgemm does not: on the Xeon, the target's linears plus head for
+M = 4 / 6 / 8 / 12 rows took 67 / 68 / 76 / 80 ms packed against 97 / 107 / 131 / 172 ms with F.linear
+(one core; results/small_m_linear_packed_xeon.md).  It costs a second copy of every weight it serves
+(made at that weight's first packed call, remade if the weight is changed in place).
+
+So the route is not fixed but **measured**: the first product of each (weight shape, M) times the forms on
+that very input (best of a few calls each, once per process) and keeps the fastest, F.linear unless another
+form is at least 10% faster; every later call takes the kept form.
 
 Only float32 weights and inputs on CPU are rerouted (what was measured); any other case, and M outside
 [2, SMALL_M_MAX], calls ``F.linear`` unchanged.  The result is the same product up to float rounding
 (another summation order, as F.linear's own GEMM-vs-GEMV choice already is).
 
-    SGLANG_SSD_SMALL_M_LINEAR   largest M to reroute (default 5; 0 or 1 = off)
-    SGLANG_SSD_SMALL_M_ROUTE    measure (default) | wxt (always W @ x^T, the earlier rule) | linear (never)
+    SGLANG_SSD_SMALL_M_LINEAR   largest M to reroute (default 32; 0 or 1 = off)
+    SGLANG_SSD_SMALL_M_ROUTE    measure (default) | wxt | packed (always that form) | linear (never)
 """
 
 from __future__ import annotations
@@ -37,12 +45,14 @@ from sglang_ssd.config import env_number
 
 ENV = "SGLANG_SSD_SMALL_M_LINEAR"
 ROUTE_ENV = "SGLANG_SSD_SMALL_M_ROUTE"
-ROUTES = ("measure", "wxt", "linear")
-DEFAULT_MAX_M = 5
-MEASURE_CALLS = 5   # timed calls of each form (after one warm-up call)
-MIN_GAIN = 0.9      # W @ x^T is kept only when it takes <= 90% of F.linear's time
+FORMS = ("linear", "wxt", "packed")
+ROUTES = ("measure", *FORMS)
+DEFAULT_MAX_M = 32  # b = 8 requests x K+1 = 4 rows
+MEASURE_CALLS = 3   # timed calls of each form (after one warm-up call)
+MIN_GAIN = 0.9      # another form is kept only when it takes <= 90% of F.linear's time
 logger = logging.getLogger(__name__)
-_CHOICE: dict[tuple[int, int, int], bool] = {}  # (N, K, M) -> take W @ x^T
+_CHOICE: dict[tuple[int, int, int], str] = {}  # (N, K, M) -> form
+_PACKED_ATTR = "_sglang_ssd_packed"            # on the weight: (its _version, data_ptr, packed copy)
 
 
 def route(env=None) -> str:
@@ -62,21 +72,57 @@ def _best_time(label: str, fn) -> float:
     return best
 
 
-def prefer_wxt(x: torch.Tensor, weight: torch.Tensor, mode: str) -> bool:
-    """For a call that ``applies``: take W @ x^T?  mode "measure": by the kept timing of this shape."""
+def packed_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in oneDNN's blocked layout, made once per weight and kept on it (remade when the
+    weight was changed in place or re-pointed, e.g. by a weight update)."""
+    try:
+        key = (weight._version, weight.data_ptr())
+    except RuntimeError:  # an inference-mode tensor keeps no version counter: it cannot change in place
+        key = (0, weight.data_ptr())
+    kept = getattr(weight, _PACKED_ATTR, None)
+    if kept is None or kept[0] != key:
+        with torch.no_grad():
+            kept = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+        setattr(weight, _PACKED_ATTR, kept)
+    return kept[1]
+
+
+def packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T (+ bias) with the packed copy of W, for callers that checked ``applies``."""
+    flat = x.reshape(-1, x.shape[-1])
+    y = torch.ops.mkldnn._linear_pointwise(flat, packed_weight(weight), bias, "none", [], "")
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def run_form(form: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if form == "wxt":
+        return wxt(x, weight, bias)
+    if form == "packed":
+        return packed(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def form_for(x: torch.Tensor, weight: torch.Tensor, mode: str) -> str:
+    """For a call that ``applies``: which form computes it.  mode "measure": the kept timing of this
+    (shape, M); a fixed mode names its form ("packed" falls back to F.linear where oneDNN is missing)."""
     if mode != "measure":
-        return mode == "wxt"
+        return "linear" if mode == "packed" and not packed_available() else mode
     flat = x.reshape(-1, x.shape[-1])
     key = (weight.shape[0], weight.shape[1], flat.shape[0])
-    choice = _CHOICE.get(key)
-    if choice is None:
+    form = _CHOICE.get(key)
+    if form is None:
+        forms = [f for f in FORMS if f != "packed" or packed_available()]
         with torch.no_grad():
-            t_lin = _best_time("linear", lambda: F.linear(flat, weight))
-            t_wxt = _best_time("wxt", lambda: torch.mm(weight, flat.t()))
-        choice = _CHOICE[key] = t_wxt <= MIN_GAIN * t_lin
-        logger.info("few-row linear [%d x %d] at M = %d: F.linear %.3f ms, W @ x^T %.3f ms -> %s", key[0], key[1],
-                    key[2], t_lin * 1e3, t_wxt * 1e3, "W @ x^T" if choice else "F.linear")
-    return choice
+            times = {f: _best_time(f, lambda f=f: run_form(f, flat, weight)) for f in forms}
+        best = min(times, key=times.get)
+        form = _CHOICE[key] = best if times[best] <= MIN_GAIN * times["linear"] else "linear"
+        logger.debug("few-row linear [%d x %d] at M = %d: %s -> %s", key[0], key[1], key[2],
+                     ", ".join(f"{f} {t * 1e3:.3f} ms" for f, t in times.items()), form)
+    return form
 
 
 def max_rows(env=None) -> int:
@@ -84,7 +130,7 @@ def max_rows(env=None) -> int:
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, m_max: int) -> bool:
-    """True when (x, weight) take the W @ x^T route: CPU, float32, a plain 2-D weight, 2 <= rows <= m_max."""
+    """True when (x, weight) may be rerouted (``form_for``): CPU, float32, a plain 2-D weight, 2 <= rows <= m_max."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
         return False
     if weight.dim() != 2 or weight.device.type != "cpu" or type(weight.data) is not torch.Tensor:

@@ -1,7 +1,8 @@
-"""Hooks that route SGLang's few-row float32 linears on CPU through ``sglang_ssd.cpu.small_m_linear``.
+"""Hooks that route SGLang's few-row float32 linears on CPU through ``sglang_ssd.cpu.small_m_linear``
+(per weight shape and row count the measured fastest of F.linear, W @ x^T and a oneDNN-packed weight).
 
 Registered by the plugin only on the CPU engine (``SGLANG_USE_CPU_ENGINE=1``) and so for every mode the
-CPU recipe serves, plain SGLang (AR) included: AR's own decode steps at batch 2-5 take the same route,
+CPU recipe serves, plain SGLang (AR) included: AR's own decode steps at batch 2-32 take the same route,
 so comparisons with it stay like for like.  Two places compute the target's matmuls:
   - ``UnquantizedLinearMethod.apply`` (qkv / o / gate_up / down projections), whose CPU branch is
     ``F.linear`` unless the layer uses the Intel AMX packed kernel;
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from sglang_ssd.cpu.small_m_linear import applies, max_rows, prefer_wxt, route, wxt
+from sglang_ssd.cpu.small_m_linear import applies, form_for, max_rows, route, run_form
 
 LINEAR_APPLY = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply"
 LM_HEAD = "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head"
@@ -36,9 +37,10 @@ def _sglang_helpers():
 
 def linear_apply(orig, self, layer, x, bias=None):
     w = getattr(layer, "weight", None)
-    if w is None or not applies(x, w, _M_MAX) or _sglang_helpers()[0](layer) or not prefer_wxt(x, w, _ROUTE):
+    if w is None or not applies(x, w, _M_MAX) or _sglang_helpers()[0](layer):
         return orig(self, layer, x, bias)
-    return wxt(x, w, bias)
+    form = form_for(x, w, _ROUTE)
+    return orig(self, layer, x, bias) if form == "linear" else run_form(form, x, w, bias)
 
 
 def compute_lm_head(orig, self, hidden_states, lm_head, embedding_bias=None, **kwargs):
@@ -48,9 +50,12 @@ def compute_lm_head(orig, self, hidden_states, lm_head, embedding_bias=None, **k
              and not head_quant(lm_head, getattr(lm_head, "quant_method", None))
              and not getattr(self, "use_fp32_lm_head", False)
              and getattr(self, "rl_on_policy_target", None) is None)
-    if not plain or not applies(hidden_states, w, _M_MAX) or amx(lm_head) or not prefer_wxt(hidden_states, w, _ROUTE):
+    if not plain or not applies(hidden_states, w, _M_MAX) or amx(lm_head):
         return orig(self, hidden_states, lm_head, embedding_bias, **kwargs)
-    return wxt(hidden_states, w)  # the plain branch adds no bias either
+    form = form_for(hidden_states, w, _ROUTE)
+    if form == "linear":
+        return orig(self, hidden_states, lm_head, embedding_bias, **kwargs)
+    return run_form(form, hidden_states, w)  # the plain branch adds no bias either
 
 
 def enabled() -> bool:

@@ -145,3 +145,21 @@ def test_measured_route_follows_the_fastest_form_once_per_shape(monkeypatch):
     assert sm.route({}) == "measure" and sm.route({"SGLANG_SSD_SMALL_M_ROUTE": "PACKED"}) == "packed"
     with pytest.raises(ValueError, match="SMALL_M_ROUTE"):
         sm.route({"SGLANG_SSD_SMALL_M_ROUTE": "fast"})
+
+
+@pytest.mark.skipif(not sm.packed_available(), reason="no oneDNN in this torch")
+def test_a_packed_copy_made_only_to_be_timed_is_dropped(monkeypatch):
+    """Measuring packs the weight; when no row count of that shape keeps "packed", the copy goes again,
+    and it stays once some row count of the shape keeps it."""
+    cost = {"linear": 1.0, "wxt": 0.95, "packed": 0.95}
+    monkeypatch.setattr(sm, "_best_time", lambda label, fn: (fn(), cost[label])[1])  # runs each form for real
+    monkeypatch.setattr(sm, "_CHOICE", {})
+    w = torch.randn(24, 16)
+    assert sm.form_for(torch.randn(3, 16), w, "measure") == "linear"
+    assert getattr(w, sm._PACKED_ATTR, None) is None  # timed, not kept: dropped
+    cost.update(packed=0.5)
+    assert sm.form_for(torch.randn(8, 16), w, "measure") == "packed"
+    assert getattr(w, sm._PACKED_ATTR, None) is not None
+    cost.update(packed=0.95)
+    assert sm.form_for(torch.randn(2, 16), w, "measure") == "linear"
+    assert getattr(w, sm._PACKED_ATTR, None) is not None  # M = 8 still serves it

@@ -17,8 +17,10 @@ A third form, **packed**: the weight reordered once into oneDNN's blocked layout
 ``torch.ops.mkldnn._linear_pointwise``.  No per-call packing of the weight, so from 4 rows on it stays close
 to the one-row time where F.linear's sgemm does not: on the Xeon, the target's linears plus head for
 M = 4 / 6 / 8 / 12 rows took 67 / 68 / 76 / 80 ms packed against 97 / 107 / 131 / 172 ms with F.linear
-(one core; results/small_m_linear_packed_xeon.md).  It costs a second copy of every weight it serves
-(made at that weight's first packed call, remade if the weight is changed in place).
+(one core, a throw-away script); scripts/bench_small_m.py times all three forms
+(results/small_m_linear_packed_amd.md: an AMD EPYC with AVX-512).  It costs a second copy of every weight
+it serves (made at that weight's first packed call, remade if the weight is changed in place); a copy made
+only to be timed is dropped again when no row count of that shape keeps the packed form.
 
 So the route is not fixed but **measured**: the first product of each (weight shape, M) times the forms on
 that very input (best of a few calls each, once per process) and keeps the fastest, F.linear unless another
@@ -52,7 +54,7 @@ MEASURE_CALLS = 3   # timed calls of each form (after one warm-up call)
 MIN_GAIN = 0.9      # another form is kept only when it takes <= 90% of F.linear's time
 logger = logging.getLogger(__name__)
 _CHOICE: dict[tuple[int, int, int], str] = {}  # (N, K, M) -> form
-_PACKED_ATTR = "_sglang_ssd_packed"            # on the weight: (its _version, data_ptr, packed copy)
+_PACKED_ATTR = "_sglang_ssd_packed"            # on the weight: ((its _version, data_ptr), packed copy)
 
 
 def route(env=None) -> str:
@@ -91,6 +93,11 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     return kept[1]
 
 
+def drop_packed(weight: torch.Tensor) -> None:
+    if getattr(weight, _PACKED_ATTR, None) is not None:
+        delattr(weight, _PACKED_ATTR)
+
+
 def packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W^T (+ bias) with the packed copy of W, for callers that checked ``applies``."""
     flat = x.reshape(-1, x.shape[-1])
@@ -120,6 +127,8 @@ def form_for(x: torch.Tensor, weight: torch.Tensor, mode: str) -> str:
             times = {f: _best_time(f, lambda f=f: run_form(f, flat, weight)) for f in forms}
         best = min(times, key=times.get)
         form = _CHOICE[key] = best if times[best] <= MIN_GAIN * times["linear"] else "linear"
+        if form != "packed" and not any(f == "packed" for k, f in _CHOICE.items() if k[:2] == key[:2]):
+            drop_packed(weight)  # made only to be timed: no row count of this shape serves it
         logger.debug("few-row linear [%d x %d] at M = %d: %s -> %s", key[0], key[1], key[2],
                      ", ".join(f"{f} {t * 1e3:.3f} ms" for f, t in times.items()), form)
     return form

@@ -163,3 +163,12 @@ def test_a_packed_copy_made_only_to_be_timed_is_dropped(monkeypatch):
     cost.update(packed=0.95)
     assert sm.form_for(torch.randn(2, 16), w, "measure") == "linear"
     assert getattr(w, sm._PACKED_ATTR, None) is not None  # M = 8 still serves it
+
+
+def test_one_row_steps_are_rerouted_only_when_asked():
+    """SGLANG_SSD_SMALL_M_MIN: 2 by default (a one-row step keeps F.linear), 1 routes one-row steps too."""
+    w, x1 = torch.randn(24, 16), torch.randn(1, 16)
+    assert sm.min_rows({}) == 2 and not sm.applies(x1, w, 32, sm.min_rows({}))
+    assert sm.min_rows({"SGLANG_SSD_SMALL_M_MIN": "1"}) == 1 and sm.applies(x1, w, 32, 1)
+    assert sm.min_rows({"SGLANG_SSD_SMALL_M_MIN": "0"}) == 1  # never below one row
+    assert torch.allclose(sm.run_form("packed" if sm.packed_available() else "wxt", x1, w), x1 @ w.t(), atol=1e-5)

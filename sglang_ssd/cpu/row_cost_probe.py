@@ -35,17 +35,17 @@ def target_shapes(hf: dict) -> tuple[list[tuple[int, int]], tuple[int, int], int
     return layer, (hf["vocab_size"], h), layers
 
 
-def _product(x: torch.Tensor, w: torch.Tensor, route: str, m_max: int) -> float:
+def _product(x: torch.Tensor, w: torch.Tensor, route: str, m_max: int, m_min: int = 2) -> float:
     """Seconds of one x [m, in] by w [out, in] product by the server's route for m rows: the same
     ``applies`` / ``form_for`` decision cpu_linear makes (measured once per shape under "measure")."""
-    form = sml.form_for(x, w, route) if sml.applies(x, w, m_max) else "linear"
+    form = sml.form_for(x, w, route) if sml.applies(x, w, m_max, m_min) else "linear"
     return sml._best_time("probe", lambda: sml.run_form(form, x, w))
 
 
 def linear_row_costs(hf: dict, rows, env=None) -> dict[int, float]:
     """m -> milliseconds of the target's linears for m rows (one request), by the server's route."""
     env = os.environ if env is None else env
-    route, m_max = sml.route(env), sml.max_rows(env)
+    route, m_max, m_min = sml.route(env), sml.max_rows(env), sml.min_rows(env)
     layer, head_shape, n_layers = target_shapes(hf)
     per_layer = sum(o * i for o, i in layer) * 4
     n_probe = max(1, min(n_layers, PROBE_BYTES // max(per_layer, 1)))
@@ -60,8 +60,8 @@ def linear_row_costs(hf: dict, rows, env=None) -> dict[int, float]:
                 t = 0.0
                 for lw in ws:
                     for w in lw:
-                        t += _product(torch.full((m, w.shape[1]), 0.5), w, route, m_max)
-                t = t * n_layers / n_probe + _product(torch.full((m, head.shape[1]), 0.5), head, route, m_max)
+                        t += _product(torch.full((m, w.shape[1]), 0.5), w, route, m_max, m_min)
+                t = t * n_layers / n_probe + _product(torch.full((m, head.shape[1]), 0.5), head, route, m_max, m_min)
                 costs[m] = t * 1e3
     finally:
         torch.set_num_threads(threads)

@@ -31,6 +31,7 @@ Only float32 weights and inputs on CPU are rerouted (what was measured); any oth
 (another summation order, as F.linear's own GEMM-vs-GEMV choice already is).
 
     SGLANG_SSD_SMALL_M_LINEAR   largest M to reroute (default 32; 0 or 1 = off)
+    SGLANG_SSD_SMALL_M_MIN      smallest M to reroute (default 2; 1 = also one-row steps, e.g. AR's b = 1 decode)
     SGLANG_SSD_SMALL_M_ROUTE    measure (default) | wxt | packed (always that form) | linear (never)
 """
 
@@ -46,6 +47,7 @@ import torch.nn.functional as F
 from sglang_ssd.config import env_number
 
 ENV = "SGLANG_SSD_SMALL_M_LINEAR"
+MIN_ENV = "SGLANG_SSD_SMALL_M_MIN"
 ROUTE_ENV = "SGLANG_SSD_SMALL_M_ROUTE"
 FORMS = ("linear", "wxt", "packed")
 ROUTES = ("measure", *FORMS)
@@ -138,8 +140,13 @@ def max_rows(env=None) -> int:
     return env_number(ENV, DEFAULT_MAX_M, env)
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor, m_max: int) -> bool:
-    """True when (x, weight) may be rerouted (``form_for``): CPU, float32, a plain 2-D weight, 2 <= rows <= m_max."""
+def min_rows(env=None) -> int:
+    return max(1, env_number(MIN_ENV, 2, env))
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor, m_max: int, m_min: int = 2) -> bool:
+    """True when (x, weight) may be rerouted (``form_for``): CPU, float32, a plain 2-D weight,
+    m_min <= rows <= m_max."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
         return False
     if weight.dim() != 2 or weight.device.type != "cpu" or type(weight.data) is not torch.Tensor:
@@ -147,7 +154,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor, m_max: int) -> bool:
     if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
         return False
     m = x.numel() // max(x.shape[-1], 1)
-    return 2 <= m <= m_max
+    return m_min <= m <= m_max
 
 
 def wxt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import os
 
-from sglang_ssd.cpu.small_m_linear import applies, form_for, max_rows, route, run_form
+from sglang_ssd.cpu.small_m_linear import applies, form_for, max_rows, min_rows, route, run_form
 
 LINEAR_APPLY = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply"
 LM_HEAD = "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head"
 
 _M_MAX = max_rows()
+_M_MIN = min_rows()  # 2 by default: a one-row step (AR at b = 1) keeps F.linear unless asked
 _ROUTE = route()  # measured per (shape, M) by default: the faster form differs between CPUs
 _SGL = None  # (use_intel_amx_backend, should_apply_lm_head_quant_method), resolved at the first call
 
@@ -37,7 +38,7 @@ def _sglang_helpers():
 
 def linear_apply(orig, self, layer, x, bias=None):
     w = getattr(layer, "weight", None)
-    if w is None or not applies(x, w, _M_MAX) or _sglang_helpers()[0](layer):
+    if w is None or not applies(x, w, _M_MAX, _M_MIN) or _sglang_helpers()[0](layer):
         return orig(self, layer, x, bias)
     form = form_for(x, w, _ROUTE)
     return orig(self, layer, x, bias) if form == "linear" else run_form(form, x, w, bias)
@@ -50,7 +51,7 @@ def compute_lm_head(orig, self, hidden_states, lm_head, embedding_bias=None, **k
              and not head_quant(lm_head, getattr(lm_head, "quant_method", None))
              and not getattr(self, "use_fp32_lm_head", False)
              and getattr(self, "rl_on_policy_target", None) is None)
-    if not plain or not applies(hidden_states, w, _M_MAX) or amx(lm_head):
+    if not plain or not applies(hidden_states, w, _M_MAX, _M_MIN) or amx(lm_head):
         return orig(self, hidden_states, lm_head, embedding_bias, **kwargs)
     form = form_for(hidden_states, w, _ROUTE)
     if form == "linear":
@@ -59,4 +60,4 @@ def compute_lm_head(orig, self, hidden_states, lm_head, embedding_bias=None, **k
 
 
 def enabled() -> bool:
-    return os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" and _M_MAX >= 2 and _ROUTE != "linear"
+    return os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" and _M_MAX >= _M_MIN and _ROUTE != "linear"

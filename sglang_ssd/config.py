@@ -62,6 +62,11 @@ startup_timeout_s      ``SGLANG_SSD_CONFIG["startup_timeout_s"]``  null: 120 for
                                                                    CUDA one (its first start JIT-compiles
                                                                    FlashInfer before READY)
 stats_interval         ``SGLANG_SSD_CONFIG["stats_interval"]``     50 rounds between log lines
+batch_k                ``SGLANG_SSD_CONFIG["batch_k"]``            false; true (CPU engine): per round,
+                                                                   verify only the first k <= K drafts,
+                                                                   k of the best predicted speedup at
+                                                                   this batch size (measured linear
+                                                                   costs); an integer: at most that many
 stats_file             ``SGLANG_SSD_CONFIG["stats_file"]``         null; else JSON stats, every round
 =====================  ==========================================  =========================
 
@@ -113,6 +118,7 @@ class SaguaroConfig:
     stats_interval: int = 50
     auto_k: bool = True  # CPU engine, no --speculative-num-steps: K from measured verify costs (spec_algo.default_k)
     alpha_prior: float = 0.5  # the acceptance auto_k assumes (the default SmolLM2 draft: ~0.43 held out)
+    batch_k: Any = False  # False | True (measured per batch size, sglang/round_k.py) | int cap on drafts verified
     stats_file: Optional[str] = None
 
     # ---- construction -------------------------------------------------------------------
@@ -191,6 +197,9 @@ class SaguaroConfig:
         if not isinstance(self.auto_k, bool):
             raise SaguaroConfigError(f"{ENV_VAR} key 'auto_k' must be true or false")
         check_alpha_prior(self.alpha_prior)
+        if not (isinstance(self.batch_k, bool) or (isinstance(self.batch_k, int) and self.batch_k >= 1)):
+            raise SaguaroConfigError(f"{ENV_VAR} key 'batch_k' must be true, false or an integer >= 1, "
+                                     f"got {self.batch_k!r}")
         if not isinstance(self.stats_interval, int) or self.stats_interval < 1:
             raise SaguaroConfigError(f"{ENV_VAR} key 'stats_interval' must be an integer >= 1")
         validate_draft_path(self.draft_model_path)

@@ -63,3 +63,57 @@ def test_probe_target_reads_a_checkpoint(tmp_path, target_path):
     assert probe_target(str(tmp_path), [1, 2]) is None  # no config.json: the caller keeps its default K
     costs = probe_target(target_path, [1, 4])
     assert costs is not None and costs[1] > 0 and costs[4] > 0
+
+
+def test_round_k_shrinks_with_the_batch_when_rows_get_expensive():
+    """choose_round_k: flat row costs keep K at any batch; costs that grow past a few rows (a CPU core's
+    linears) keep K at b = 1 and shrink it at b = 8; the table is the formula."""
+    from sglang_ssd.saguaro.k_choice import choose_round_k
+
+    flat = lambda m: 40.0
+    assert choose_round_k(flat, 8, 0.5, 40.0, 3)[0] == 3
+    grows = lambda m: 40.0 if m <= 4 else 40.0 + 4.0 * (m - 4)  # flat to 4 rows, then 4 ms a row
+    assert choose_round_k(grows, 1, 0.5, 40.0, 3)[0] == 3
+    k8, table = choose_round_k(grows, 8, 0.5, 40.0, 3)
+    assert k8 == 1, table
+    assert table[2] == pytest.approx(expected_tokens(0.5, 2) * (40 + 56) / (40 + grows(24)))
+    with pytest.raises(ValueError):
+        choose_round_k(flat, 0, 0.5, 40.0, 3)
+
+
+def test_round_k_policy_measures_once_per_batch_size(monkeypatch):
+    """RoundK: off / an integer cap / measured (the probe asked once per new batch size for the missing
+    row counts only); inactive off the CPU engine."""
+    import sglang_ssd.cpu.row_cost_probe as probe
+    from sglang_ssd.sglang.round_k import RoundK
+
+    asked = []
+
+    def fake_probe(path, rows, env=None):
+        asked.append(list(rows))
+        return {m: (30.0 if m <= 4 else 30.0 + 5.0 * (m - 4)) for m in rows}
+
+    monkeypatch.setattr(probe, "probe_target", fake_probe)
+    assert RoundK(False, 3, 0.5, "p", cpu=True)(8) == 3
+    assert RoundK(2, 3, 0.5, "p", cpu=True)(1) == 2 and RoundK(7, 3, 0.5, "p", cpu=True)(1) == 3
+    assert RoundK(True, 3, 0.5, "p", cpu=False)(8) == 3 and not asked  # GPU / features: never probed
+    rk = RoundK(True, 3, 0.5, "p", cpu=True)
+    assert rk(1) == 3 and asked == [[1, 2, 3, 4]]
+    assert rk(8) == 1 and asked[-1] == [8, 16, 24, 32]
+    assert rk(8) == 1 and rk(1) == 3 and len(asked) == 2  # kept per batch size
+    assert rk(2) in (1, 2, 3) and asked[-1] == [6]  # 1, 2, 4, 8 known already
+
+
+def test_a_chain_prefix_keeps_its_own_q():
+    """Proposal.first(k): the first k drafts, their q rows and sums, max_accept capped at k."""
+    import torch
+
+    from sglang_ssd.sglang.link_state import Proposal
+
+    p = Proposal(torch.arange(8).view(2, 4), torch.rand(2, 4, 5).half(), torch.tensor([True, False]),
+                 torch.tensor([4, 1]), torch.tensor([True, False]), 0.1, torch.ones(2, 4))
+    f = p.first(2)
+    assert f.tokens.tolist() == [[0, 1], [4, 5]] and f.max_accept.tolist() == [2, 1]
+    assert torch.equal(f.q16, p.q16[:, :2]) and f.q_sums.shape == (2, 2) and f.hit.tolist() == [True, False]
+    assert p.first(4) is p and p.first(9) is p
+    assert Proposal(p.tokens, None, p.q_valid, p.max_accept, p.hit).first(1).q16 is None

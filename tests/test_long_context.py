@@ -42,7 +42,7 @@ def test_long_prompts_greedy_equal_plain_sglang(target_path, draft_path, tmp_pat
         want = _generate_all(srv, prompts)
     stats = tmp_path / "stats.json"
     env = {"SGLANG_SSD_CONFIG": json.dumps({
-        "mode": "async", "fan_out": 2, "stats_file": str(stats), "stats_interval": 10,
+        "mode": "async", "fan_out": 2, "stats_file": str(stats), "stats_interval": 10, "round_deadline_s": 10,
         "draft_endpoint": f"ipc://{tmp_path}/draft-{uuid.uuid4().hex[:6]}.sock"})}
     args = COMMON + ["--speculative-algorithm", "saguaro", "--speculative-draft-model-path", draft_path,
                      "--speculative-num-steps", "3"]

@@ -122,7 +122,12 @@ def _extreme_requests(srv, prompts):
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_saguaro_equals_plain_sglang(mode, target_path, draft_path, prompts, reference, tmp_path):
-    srv = _saguaro_server(target_path, draft_path, mode, tmp_path)
+    # round deadline 10 s: lateness is not this test's subject (test_draft_stopped_then_killed_mid_generation is), and under the default 1 s a
+    # slow CI host could take a round target-only and fail `fallback_rows == 0`
+    # sync mode also caps the drafts a round verifies at 3 of K = 4 (batch_k, sglang/round_k.py): every
+    # round verifies a prefix of the draft's chain, in the same scheduler slots, and must stay exact
+    cap = {"batch_k": 3} if mode == "sync" else {}
+    srv = _saguaro_server(target_path, draft_path, mode, tmp_path, round_deadline_s=10, **cap)
     with srv:
         outs = _run_concurrent(srv, prompts, {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True})
         mixed = _mixed_requests(srv, prompts)
@@ -159,7 +164,7 @@ def test_saguaro_equals_plain_sglang(mode, target_path, draft_path, prompts, ref
         assert len(o["output_ids"]) == 24 and o["meta_info"]["spec_verify_ct"] > 0
     # speculation actually happened: drafts were accepted, and rejected, and (async) cache hits
     assert stats["rounds"] > 0 and stats["errors"] == 0 and stats["fallback_rows"] == 0
-    assert 1.0 < stats["accept_len"] < 5.0, stats
+    assert 1.0 < stats["accept_len"] < (4.0 if mode == "sync" else 5.0), stats
     if mode == "async":
         assert stats["hits"] > 0 and 0 < stats["hit_rows"] <= stats["rows"], stats
         assert 1.0 <= stats["accept_len_hit"] <= 5.0 and stats["hit_rows"] <= stats["accepted_hit"], stats
@@ -173,7 +178,8 @@ def test_saguaro_equals_plain_sglang(mode, target_path, draft_path, prompts, ref
 def test_async_with_cut_builds_equals_plain_sglang(target_path, draft_path, prompts, reference, tmp_path):
     """Every draft cache build stops after depth 2 of K = 4 (SGLANG_SSD_MAX_BUILD_DEPTH, inherited by the
     draft process): cache hits are 2-token speculations padded with -1; greedy output stays plain SGLang's."""
-    srv = _saguaro_server(target_path, draft_path, "async", tmp_path, extra_env={"SGLANG_SSD_MAX_BUILD_DEPTH": "2"})
+    srv = _saguaro_server(target_path, draft_path, "async", tmp_path, extra_env={"SGLANG_SSD_MAX_BUILD_DEPTH": "2"},
+                          round_deadline_s=10)
     with srv:
         outs = _run_concurrent(srv, prompts, {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True})
         time.sleep(1.0)

@@ -83,6 +83,12 @@ def test_a_late_ahead_reply_is_a_deadline_miss_that_keeps_the_session(setup):
     rids = [r.rid for r in target.reqs]
     for _ in range(2):
         _round(draft, link, target)
+    # the draft must have taken up the second round's ahead Speculate (round 1's ordinary one, its ahead,
+    # round 2's ahead) before the delay is armed, else the delay lands on that one, a round early
+    deadline = time.monotonic() + 30
+    while len(draft.ks) < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(draft.ks) == 3, draft.ks
     draft.delay = 0.8  # the ahead Speculate the next round sends is answered late
     _round(draft, link, target)
     prop, took, sent = _round(draft, link, target)

@@ -50,3 +50,22 @@ def choose_k(row_costs: dict[int, float], alpha: float, overhead: float, k_max: 
         if table[k] > table[best] * (1.0 + TIE):
             best = k
     return best, table
+
+
+def choose_round_k(row_cost, bs: int, alpha: float, overhead: float, k_max: int) -> tuple[int, dict[int, float]]:
+    """The drafts to verify per request in a round of ``bs`` requests (batch-size-aware K, 1 <= k <= k_max).
+
+    A round of bs requests runs the linears over bs * (k + 1) rows where AR runs them over bs rows, so the
+    same ``E(k) * t(1) / t(k + 1)`` rule with batch-sized steps: speedup(k) = E(k) * (overhead +
+    row_cost(bs)) / (overhead + row_cost(bs * (k + 1))).  row_cost: M rows -> ms of the target's linears
+    (measured: a CPU core's cost is flat up to a few rows, then grows, so a wide verify that pays at
+    b = 1 can cost 2x an AR step at b = 8).  Ties within TIE go to the smaller k."""
+    if bs < 1 or k_max < 1:
+        raise ValueError(f"bs and k_max must be >= 1, got {bs}, {k_max}")
+    step = overhead + row_cost(bs)
+    table = {k: expected_tokens(alpha, k) * step / (overhead + row_cost(bs * (k + 1))) for k in range(1, k_max + 1)}
+    best = 1
+    for k in sorted(table):
+        if table[k] > table[best] * (1.0 + TIE):
+            best = k
+    return best, table

@@ -27,6 +27,15 @@ class Proposal:
     # normaliser), taken from the sparse wire rows; 1 on rows without q.  None: not computed
     q_sums: Optional[torch.Tensor] = None
 
+    def first(self, k: int) -> "Proposal":
+        """The first k drafts of each chain (k <= K): still exact, each d_j was drawn from q_j given
+        d_1..d_(j-1), so verifying a prefix of the chain against its own q is the same rule on fewer rows."""
+        if k >= self.tokens.shape[1]:
+            return self
+        cut = lambda t: None if t is None else t[:, :k]
+        return Proposal(self.tokens[:, :k], cut(self.q16), self.q_valid, self.max_accept.clamp(max=k), self.hit,
+                        self.wait_s, cut(self.q_sums))
+
 
 def reply_q16(q: np.ndarray, q_ids: np.ndarray, q_rows: torch.Tensor, bs: int, k: int, vocab_size: int,
               device) -> torch.Tensor:

@@ -36,6 +36,7 @@ from sglang_ssd.sglang.compat import resolved_args
 from sglang_ssd.sglang.draft_link import DraftLink
 from sglang_ssd.sglang.grammar import mask_chain_logits
 from sglang_ssd.sglang.metrics import SaguaroMetrics
+from sglang_ssd.sglang.round_k import RoundK
 from sglang_ssd.sglang.target_features import enable_capture
 from sglang_ssd.sglang.verify_input import build_chain_verify_input, verify_reads_mask
 
@@ -93,6 +94,9 @@ class SaguaroWorker(BaseSpecWorker):
         self.capture = CaptureHiddenMode.FULL if self.features.enabled else None
         if self.features.enabled:
             enable_capture(self.model_runner.model, self.features.layers, self.features.dim)
+        # batch-size-aware K (CPU engine): not with logprobs or EAGLE features (both read the full chain layout)
+        self.round_k = RoundK(self.cfg.batch_k, self.k, self.cfg.alpha_prior, str(server_args.model_path),
+                              cpu=not self.device_is_gpu and self.capture is None)
         self.metrics = SaguaroMetrics.maybe(server_args)  # --enable-metrics: saguaro's series on /metrics
         atexit.register(self.link.close)
         seed = server_args.random_seed if server_args.random_seed is not None else 0
@@ -148,12 +152,15 @@ class SaguaroWorker(BaseSpecWorker):
 
     def _decode(self, batch: ScheduleBatch, on_publish, grammar_barrier=None) -> GenerationBatchResult:
         t_start = time.perf_counter()
-        reqs, bs, n = batch.reqs, len(batch.reqs), self.n
+        reqs, bs = batch.reqs, len(batch.reqs)
         info = batch.sampling_info
         temps, greedy, draft_temps = self._draft_temps(info)
 
         # 1. last round's outcome -> draft; this round's drafts <- draft (hit or backup)
         prop = self.link.speculate(reqs, draft_temps.tolist())
+        # batch-size-aware K: verify the first k <= K drafts (n = k + 1 of the K + 1 reserved slots)
+        k_round = self.k if batch.return_logprob else self.round_k(bs)
+        prop, n = prop.first(k_round), k_round + 1
 
         # 2. one target forward over the chain [root, d_1..d_K] per request
         root = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64)
@@ -173,7 +180,7 @@ class SaguaroWorker(BaseSpecWorker):
         result = self._target_worker.forward_batch_generation(batch, is_verify=True, capture_hidden_mode=self.capture)
         # constrained requests: row j masked by the grammar after d_1..d_j, in place (logprobs see it too)
         mask_chain_logits(batch, chain_host, result.logits_output.next_token_logits, grammar_barrier)
-        logits = self._adjust_logits(result.logits_output.next_token_logits, info)[:, : self.vocab_size]
+        logits = self._adjust_logits(result.logits_output.next_token_logits, info, n)[:, : self.vocab_size]
         logits = logits.float().view(bs, n, -1)
         t_accept = time.perf_counter()
 
@@ -227,7 +234,9 @@ class SaguaroWorker(BaseSpecWorker):
         if on_publish is not None:
             on_publish(new_seq_lens)
         batch.forward_mode = ForwardMode.DECODE
-        next_ids = torch.where(torch.arange(n, device=self.device)[None, :] < accept_lens[:, None].long(),
+        if n < self.n:  # SGLang's layout has K + 1 columns per request whatever this round verified
+            out_tokens = torch.cat([out_tokens, out_tokens.new_zeros(bs, self.n - n)], dim=1)
+        next_ids = torch.where(torch.arange(self.n, device=self.device)[None, :] < accept_lens[:, None].long(),
                                out_tokens, torch.zeros_like(out_tokens)).reshape(-1)
         if batch.return_logprob:  # out token (b, j) came from logits row b * n + j: a chain layout
             from sglang.srt.layers.logprob_processor import compute_spec_logprobs
@@ -238,7 +247,7 @@ class SaguaroWorker(BaseSpecWorker):
             can_run_cuda_graph=bool(getattr(result, "can_run_cuda_graph", False)),
             accept_lens=accept_lens, new_seq_lens=new_seq_lens,
             next_draft_input=self._carry(out_tokens, accept_lens, new_seq_lens),
-            speculative_num_draft_tokens=n,
+            speculative_num_draft_tokens=self.n,
         )
 
     @staticmethod
@@ -248,10 +257,9 @@ class SaguaroWorker(BaseSpecWorker):
         greedy = is_greedy(temps, info.top_ks.reshape(-1))
         return temps, greedy, torch.where(greedy, torch.zeros_like(temps), temps)
 
-    def _adjust_logits(self, logits: torch.Tensor, info) -> torch.Tensor:
+    def _adjust_logits(self, logits: torch.Tensor, info, n: int) -> torch.Tensor:
         """Penalties and logit_bias, applied to all n positions of a request the way SGLang's own
         speculative verifiers do (its "relaxed" penalties: state as of the round's start)."""
-        n = self.n
         if getattr(info, "acc_additive_penalties", None) is not None:
             logits = logits + torch.repeat_interleave(info.acc_additive_penalties, n, dim=0)
         if getattr(info, "acc_scaling_penalties", None) is not None:

@@ -1,0 +1,59 @@
+"""Batch-size-aware K (config ``batch_k``, CPU engine): how many of the K drafts a round verifies.
+
+SGLang fixes K at launch (the scheduler reserves K + 1 KV slots per request and round), and auto K picks
+it for one request.  But a round of b requests runs the target's linears over b * (k + 1) rows where AR
+runs them over b rows, and on a CPU core that cost is flat for a few rows and then grows (oneDNN-packed
+weights: ~0.6-0.9x a one-row F.linear up to 8 rows, ~1.2x at 16, ~2x at 32 on an AMD EPYC,
+results/small_m_linear_packed_amd.md): K = 3 pays at b = 1 and costs 2x an AR step at b = 8.  So each
+round verifies only the first k <= K drafts of every chain, k chosen per batch size by the predicted
+speedup with the target's measured row costs (``k_choice.choose_round_k``); the rest of the reserved
+slots stay unused.  Exact: a chain's first k drafts, verified against their own q, are the same rule on
+fewer rows (``Proposal.first``).
+
+    batch_k: false   every round verifies K (default)
+             true    measured per batch size, once per size (the first round of a new size probes the
+                     linears for its row counts: ~0.1-0.5 s)
+             N       at most N drafts per round (a fixed cap)
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+class RoundK:
+    def __init__(self, batch_k, k: int, alpha: float, model_path: str, cpu: bool):
+        self.mode, self.k, self.alpha, self.path, self.cpu = batch_k, k, alpha, model_path, cpu
+        self.by_bs: dict[int, int] = {}
+        self.costs: dict[int, float] = {}  # M rows -> ms of the target's linears (probe)
+
+    @property
+    def active(self) -> bool:
+        return self.mode is not False and self.cpu and self.k > 1
+
+    def __call__(self, bs: int) -> int:
+        if not self.active:
+            return self.k
+        if self.mode is not True:  # an integer cap
+            return max(1, min(int(self.mode), self.k))
+        if bs not in self.by_bs:
+            self.by_bs[bs] = self._choose(bs)
+        return self.by_bs[bs]
+
+    def _choose(self, bs: int) -> int:
+        from sglang_ssd.cpu.row_cost_probe import probe_target
+        from sglang_ssd.saguaro.k_choice import choose_round_k
+        from sglang_ssd.sglang.spec_algo import STEP_OVERHEAD
+
+        need = sorted({1, *(bs * (j + 1) for j in range(self.k + 1))} - set(self.costs))
+        if need:
+            got = probe_target(self.path, need)
+            if got is None:
+                return self.k
+            self.costs.update(got)
+        k, table = choose_round_k(self.costs.__getitem__, bs, self.alpha, STEP_OVERHEAD * self.costs[1], self.k)
+        logger.info("saguaro batch K: %d of K = %d drafts verified at batch %d (predicted speedup by k at alpha "
+                    "%.2f: %s)", k, self.k, bs, self.alpha, {j: round(v, 3) for j, v in table.items()})
+        return k

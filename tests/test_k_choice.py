@@ -117,3 +117,12 @@ def test_a_chain_prefix_keeps_its_own_q():
     assert torch.equal(f.q16, p.q16[:, :2]) and f.q_sums.shape == (2, 2) and f.hit.tolist() == [True, False]
     assert p.first(4) is p and p.first(9) is p
     assert Proposal(p.tokens, None, p.q_valid, p.max_accept, p.hit).first(1).q16 is None
+
+
+def test_round_k_cost_ignores_a_disturbed_timing():
+    """A row count timed far too slow (the process was descheduled) counts as the next larger one."""
+    from sglang_ssd.sglang.round_k import RoundK
+
+    rk = RoundK(True, 3, 0.5, "p", cpu=True)
+    rk.costs = {1: 30.0, 2: 30.0, 4: 31.0, 6: 9000.0, 8: 40.0}
+    assert rk.cost(6) == 40.0 and rk.cost(4) == 31.0 and rk.cost(8) == 40.0 and rk.cost(3) == 31.0

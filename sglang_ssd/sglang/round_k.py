@@ -42,6 +42,11 @@ class RoundK:
             self.by_bs[bs] = self._choose(bs)
         return self.by_bs[bs]
 
+    def cost(self, m: int) -> float:
+        """ms of m rows: the least measured cost of m or more rows (m rows never cost more than m' > m, which
+        could compute them padded), so one disturbed timing cannot make a row count look prohibitive."""
+        return min(c for r, c in self.costs.items() if r >= m)
+
     def _choose(self, bs: int) -> int:
         from sglang_ssd.cpu.row_cost_probe import probe_target
         from sglang_ssd.saguaro.k_choice import choose_round_k
@@ -53,7 +58,7 @@ class RoundK:
             if got is None:
                 return self.k
             self.costs.update(got)
-        k, table = choose_round_k(self.costs.__getitem__, bs, self.alpha, STEP_OVERHEAD * self.costs[1], self.k)
+        k, table = choose_round_k(self.cost, bs, self.alpha, STEP_OVERHEAD * self.costs[1], self.k)
         logger.info("saguaro batch K: %d of K = %d drafts verified at batch %d (predicted speedup by k at alpha "
                     "%.2f: %s)", k, self.k, bs, self.alpha, {j: round(v, 3) for j, v in table.items()})
         return k

@@ -62,11 +62,12 @@ startup_timeout_s      ``SGLANG_SSD_CONFIG["startup_timeout_s"]``  null: 120 for
                                                                    CUDA one (its first start JIT-compiles
                                                                    FlashInfer before READY)
 stats_interval         ``SGLANG_SSD_CONFIG["stats_interval"]``     50 rounds between log lines
-batch_k                ``SGLANG_SSD_CONFIG["batch_k"]``            false; true (CPU engine): per round,
-                                                                   verify only the first k <= K drafts,
-                                                                   k of the best predicted speedup at
-                                                                   this batch size (measured linear
-                                                                   costs); an integer: at most that many
+batch_k                ``SGLANG_SSD_CONFIG["batch_k"]``            true (CPU engine): at batch >= 2 a
+                                                                   round verifies only the first k <= K
+                                                                   drafts, k of the best predicted
+                                                                   speedup at that batch size (measured
+                                                                   linear costs); false: always K; an
+                                                                   integer: at most that many
 stats_file             ``SGLANG_SSD_CONFIG["stats_file"]``         null; else JSON stats, every round
 =====================  ==========================================  =========================
 
@@ -118,7 +119,7 @@ class SaguaroConfig:
     stats_interval: int = 50
     auto_k: bool = True  # CPU engine, no --speculative-num-steps: K from measured verify costs (spec_algo.default_k)
     alpha_prior: float = 0.5  # the acceptance auto_k assumes (the default SmolLM2 draft: ~0.43 held out)
-    batch_k: Any = False  # False | True (measured per batch size, sglang/round_k.py) | int cap on drafts verified
+    batch_k: Any = True  # False | True (measured per batch size, sglang/round_k.py) | int cap on drafts verified
     stats_file: Optional[str] = None
 
     # ---- construction -------------------------------------------------------------------

@@ -98,10 +98,10 @@ def test_round_k_policy_measures_once_per_batch_size(monkeypatch):
     assert RoundK(2, 3, 0.5, "p", cpu=True)(1) == 2 and RoundK(7, 3, 0.5, "p", cpu=True)(1) == 3
     assert RoundK(True, 3, 0.5, "p", cpu=False)(8) == 3 and not asked  # GPU / features: never probed
     rk = RoundK(True, 3, 0.5, "p", cpu=True)
-    assert rk(1) == 3 and asked == [[1, 2, 3, 4]]
-    assert rk(8) == 1 and asked[-1] == [8, 16, 24, 32]
-    assert rk(8) == 1 and rk(1) == 3 and len(asked) == 2  # kept per batch size
-    assert rk(2) in (1, 2, 3) and asked[-1] == [6]  # 1, 2, 4, 8 known already
+    assert rk(1) == 3 and not asked  # one request: K itself (auto K's or the user's choice), nothing probed
+    assert rk(8) == 1 and asked == [[1, 8, 16, 24, 32]]
+    assert rk(8) == 1 and rk(1) == 3 and len(asked) == 1  # kept per batch size
+    assert rk(2) in (1, 2, 3) and asked[-1] == [2, 4, 6]  # 1 and 8 known already
 
 
 def test_a_chain_prefix_keeps_its_own_q():

@@ -10,9 +10,9 @@ speedup with the target's measured row costs (``k_choice.choose_round_k``); the 
 slots stay unused.  Exact: a chain's first k drafts, verified against their own q, are the same rule on
 fewer rows (``Proposal.first``).
 
-    batch_k: false   every round verifies K (default)
-             true    measured per batch size, once per size (the first round of a new size probes the
-                     linears for its row counts: ~0.1-0.5 s)
+    batch_k: true    measured per batch size of 2 or more, once per size (the first round of a new size
+                     probes the linears for its row counts: ~0.1-0.5 s); one request verifies K (default)
+             false   every round verifies K
              N       at most N drafts per round (a fixed cap)
 """
 
@@ -38,6 +38,8 @@ class RoundK:
             return self.k
         if self.mode is not True:  # an integer cap
             return max(1, min(int(self.mode), self.k))
+        if bs == 1:  # K is the one-request choice (auto K's, or the user's): batch K only lowers it for more
+            return self.k
         if bs not in self.by_bs:
             self.by_bs[bs] = self._choose(bs)
         return self.by_bs[bs]

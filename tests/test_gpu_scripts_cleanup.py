@@ -41,6 +41,18 @@ def tagged(run_id: str) -> set[int]:
     return pids
 
 
+def leaders(pids: set[int]) -> set[int]:
+    """The process group leaders among pids (gone ones dropped)."""
+    out = set()
+    for p in pids:
+        try:
+            if os.getpgid(p) == p:
+                out.add(p)
+        except ProcessLookupError:
+            pass
+    return out
+
+
 def wait_until(cond, limit_s: float, what: str):
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
@@ -64,10 +76,12 @@ def start_bench(synthetic_pair: str, out: Path, run_id: str) -> tuple[subprocess
     bench = subprocess.Popen(bench_cmd(synthetic_pair, out), cwd=ROOT, env=bench_env(run_id), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
     try:
-        servers = wait_until(lambda: bench.poll() is None and tagged(run_id) - {bench.pid} or bench.poll() is not None,
-                             120, "gpu_bench to start its server")
+        # the server is the leader of its own session (SGLangServer: start_new_session); a child caught
+        # between fork and setsid carries the tag but is no leader yet, so wait for the leader itself
+        servers = wait_until(lambda: bench.poll() is None and leaders(tagged(run_id) - {bench.pid})
+                             or bench.poll() is not None, 120, "gpu_bench to start its server")
         assert bench.poll() is None, f"gpu_bench exited early ({bench.returncode}): {bench.communicate()[0]}"
-        (server,) = [p for p in servers if os.getpgid(p) == p]  # SGLangServer: the leader of its own session
+        (server,) = servers
         return bench, server
     except BaseException:
         bench.kill()

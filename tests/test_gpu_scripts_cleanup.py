@@ -123,7 +123,8 @@ def test_sigkill_orphans_the_server_and_kill_run_stops_it(synthetic_pair, tmp_pa
         bench.kill()
         bench.wait(30)
         os.kill(server, 0)  # still alive: orphaned, holding what it holds (on a GPU: the GPU)
-        assert server in tagged(run_id)
+        # its /proc environ reads empty for a moment while it execs: poll for the tag
+        wait_until(lambda: server in tagged(run_id), 10, f"server {server} to carry run {run_id}'s tag")
         proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--kill-run", run_id], cwd=ROOT, capture_output=True,
                               text=True, timeout=60)
         assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -62,10 +62,5 @@ def choose_round_k(row_cost, bs: int, alpha: float, overhead: float, k_max: int)
     b = 1 can cost 2x an AR step at b = 8).  Ties within TIE go to the smaller k."""
     if bs < 1 or k_max < 1:
         raise ValueError(f"bs and k_max must be >= 1, got {bs}, {k_max}")
-    step = overhead + row_cost(bs)
-    table = {k: expected_tokens(alpha, k) * step / (overhead + row_cost(bs * (k + 1))) for k in range(1, k_max + 1)}
-    best = 1
-    for k in sorted(table):
-        if table[k] > table[best] * (1.0 + TIE):
-            best = k
-    return best, table
+    # the one-request rule on batch-sized steps: "m rows per request" costs row_cost(bs * m)
+    return choose_k({m: row_cost(bs * m) for m in range(1, k_max + 2)}, alpha, overhead, k_max)

@@ -140,13 +140,16 @@ def test_declared_dtype_shape_and_field_types_are_checked():
     bad = dict(h, arrays=list(reversed(h["arrays"])))
     with pytest.raises(ProtocolError, match="schema"):
         decode([msgpack.packb(bad), *frames[1:]])
-    for fields, match in [({"round_id": "1", "rids": ["a", "b"]}, "round_id"),
-                          ({"round_id": True, "rids": ["a", "b"]}, "round_id"),
-                          ({"round_id": 1, "rids": ["a", 3]}, "rids"),
-                          ({"round_id": 1, "rids": ["a", "a"]}, "duplicate"),
-                          ({"round_id": 1, "rids": ["a"]}, "length"),
-                          ({"round_id": 1}, "missing"),
-                          ({"round_id": 1, "rids": ["a", "b"], "x": 1}, "unexpected")]:
+    for fields, match in [({"round_id": "1", "rids": ["a", "b"], "width": 0}, "round_id"),
+                          ({"round_id": True, "rids": ["a", "b"], "width": 0}, "round_id"),
+                          ({"round_id": 1, "rids": ["a", 3], "width": 0}, "rids"),
+                          ({"round_id": 1, "rids": ["a", "a"], "width": 0}, "duplicate"),
+                          ({"round_id": 1, "rids": ["a"], "width": 0}, "length"),
+                          ({"round_id": 1, "rids": ["a", "b"], "width": -1}, "width"),
+                          ({"round_id": 1, "rids": ["a", "b"], "width": 65}, "width"),
+                          ({"round_id": 1, "rids": ["a", "b"], "width": 1.5}, "width"),
+                          ({"round_id": 1, "rids": ["a", "b"]}, "missing"),
+                          ({"round_id": 1, "rids": ["a", "b"], "width": 0, "x": 1}, "unexpected")]:
         with pytest.raises(ProtocolError, match=match):
             decode([msgpack.packb(dict(h, fields=fields)), *frames[1:]])
 

@@ -171,15 +171,22 @@ def test_saguaro_equals_plain_sglang(mode, target_path, draft_path, prompts, ref
     else:
         assert stats["hits"] == 0 and stats["hit_rows"] == 0 and stats["accept_len_hit"] == 0, stats
         assert stats["accept_len_miss"] == stats["accept_len"], stats
+    # the draft is told how many drafts a round verifies (Speculate.width): sync's cap 3, K = 4 for the
+    # logprob request (its rounds verify the full chain); every Speculate carries one
+    widths = {k: v for k, v in health.items() if k.startswith("width_")}
+    assert sum(widths.values()) == health["rounds"], health
+    if mode == "sync":
+        assert widths.get("width_3", 0) > 0 and set(widths) <= {"width_3", "width_4"}, widths
     # the draft holds no state for finished / aborted requests
     assert health["live_requests"] == 0, health
 
 
 def test_async_with_cut_builds_equals_plain_sglang(target_path, draft_path, prompts, reference, tmp_path):
     """Every draft cache build stops after depth 2 of K = 4 (SGLANG_SSD_MAX_BUILD_DEPTH, inherited by the
-    draft process): cache hits are 2-token speculations padded with -1; greedy output stays plain SGLang's."""
+    draft process): cache hits are 2-token speculations padded with -1; greedy output stays plain SGLang's.
+    Batch K off: every round verifies K = 4, so every build (to the verify's width) is cut."""
     srv = _saguaro_server(target_path, draft_path, "async", tmp_path, extra_env={"SGLANG_SSD_MAX_BUILD_DEPTH": "2"},
-                          round_deadline_s=10)
+                          round_deadline_s=10, batch_k=False)
     with srv:
         outs = _run_concurrent(srv, prompts, {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True})
         time.sleep(1.0)

@@ -1,5 +1,9 @@
 """The SSD cache build (async mode, after a reply): glue, forks, K tree depths, store.
 
+With a width w < K (Speculate.width: the worker verifies only w drafts per request at this batch size)
+the speculations are w tokens long, the forks cover outcomes j = 0 .. w ("all w accepted" keeps the
+draft's own next token among its guesses) and the tree stops at depth w: entries are w-token speculations.
+
 The build never makes the target wait for it: between tree depths (and between chunks of a long depth,
 and after the glue) it asks ``should_stop`` -- the server's "is a message waiting?" -- and, when one is,
 stops at once so the next Speculate is answered without delay.  A request whose tree finished d of K
@@ -79,8 +83,9 @@ def build_cache(e: "DraftEngine", should_stop: Optional[Callable[[], bool]] = No
         return
     stop = should_stop or (lambda: False)
     s = e.session
-    k_spec = s.k
-    limit = k_spec if e.max_build_depth is None else min(k_spec, e.max_build_depth)
+    k_spec = s.k  # the KV / tree layout keeps K slots per branch; the worker verifies `width` of them
+    width = k_spec if e.width is None else e.width
+    limit = width if e.max_build_depth is None else min(width, e.max_build_depth)
     t0 = time.perf_counter()
     for st, _ in pending:
         st.cache_fan = None  # set again below for the requests whose entries get stored
@@ -93,8 +98,8 @@ def build_cache(e: "DraftEngine", should_stop: Optional[Callable[[], bool]] = No
         p, d = st.root_slot, len(st.last_spec)
         seq = st.tokens + st.last_spec
         valid = st.valid_prefix(seq)
-        if jit is not None and d == k_spec and valid >= p + k_spec:  # backup decode ran root..s_{K-1}
-            start, n_logits = p + k_spec, 1
+        if jit is not None and d and len(jit) == d and valid >= p + d:  # backup decode ran root..s_{d-1}
+            start, n_logits = p + d, 1
         else:
             jit, start, n_logits = None, min(valid, p), d + 1
         st.begin_write(start)
@@ -141,7 +146,8 @@ def build_cache(e: "DraftEngine", should_stop: Optional[Callable[[], bool]] = No
         st.cache_fan = fan
     t_tree = _ms(t1)
     reached = min((done for _, _, done in results), default=k_spec)
-    _record(e, t0, t_glue, t_tree, cut_depth=reached if reached < k_spec else None, stopped=reached < limit)
+    full = min(width, k_spec)  # a build to the verify's width is complete (max_build_depth below it is a cut)
+    _record(e, t0, t_glue, t_tree, cut_depth=reached if reached < full else None, stopped=reached < limit)
 
 
 def _decode_tree(e: "DraftEngine", plans, k_spec: int, limit: int, stop: Callable[[], bool]):

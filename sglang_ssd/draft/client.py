@@ -153,11 +153,12 @@ class DraftClient:
 
     def speculate(self, round_id: int, rids: Sequence[str], ks: Sequence[int], bonuses: Sequence[int],
                   temperatures: Sequence[float], timeout_s: Optional[float] = None,
-                  features: Optional[tuple] = None) -> SpecReply:
-        """features: (feat_starts [n], feat_lens [n], rows [sum, F] float16) for an EAGLE-3 draft."""
+                  features: Optional[tuple] = None, width: int = 0) -> SpecReply:
+        """features: (feat_starts [n], feat_lens [n], rows [sum, F] float16) for an EAGLE-3 draft;
+        width: the drafts per request the worker verifies (0 = K)."""
         extra = {} if features is None else dict(zip(("feat_starts", "feat_lens", "features"), features))
         msg = Speculate(round_id, list(rids), [int(k) for k in ks], [int(b) for b in bonuses],
-                        [float(t) for t in temperatures], **extra)
+                        [float(t) for t in temperatures], width=int(width), **extra)
         reply = self.request(msg, SpecReply, timeout_s)
         if reply.round_id != round_id or reply.tokens.shape[0] != len(rids):
             raise ProtocolError(f"reply to round {round_id} has round {reply.round_id} / "

@@ -73,6 +73,7 @@ class Stats:
     builds_cut: int = 0                # builds stopped early because a message was waiting
     builds_cut_before_glue: int = 0    # ... of which before the glue forward (nothing built)
     cut_depth_hist: dict[int, int] = field(default_factory=dict)  # depths finished by all rows -> cuts
+    width_hist: dict[int, int] = field(default_factory=dict)  # Speculate.width (0 = K) -> Speculates
     last: dict[str, float] = field(default_factory=lambda: {"build_ms": 0.0, "glue_ms": 0.0, "tree_ms": 0.0})
     unsent: dict = field(default_factory=dict)  # builds since the last reply (SpecReply builds / *_ms / cut_depth)
 
@@ -106,6 +107,7 @@ class DraftEngine:
         self.max_build_depth = build.default_max_depth() if max_build_depth is None else max_build_depth
         self.max_batch = max_batch
         self.session: Optional[Session] = None
+        self.width: Optional[int] = None  # drafts per request the worker verifies (Speculate.width; None = K)
         self.hello_msg: Optional[Hello] = None  # the Hello that started the session, as received
         self.requests: dict[str, RequestState] = {}
         self.cache = SpecCache()
@@ -246,10 +248,14 @@ class DraftEngine:
         if self._t_reply is not None:  # reply -> this request: the window the target's verify gave the build
             self.budget.observe_window(t0 - self._t_reply)
         n, k_spec = len(msg.rids), s.k
+        # the worker verifies `width` drafts per request: propose that many, build for that many
+        width = self.width = min(msg.width, k_spec) if msg.width > 0 else k_spec
+        self.stats.width_hist[msg.width] = self.stats.width_hist.get(msg.width, 0) + 1
         states = [self.requests[r] for r in msg.rids]
         self.backups.observe(states, msg.ks)  # the previous round's speculations were just verified
         prev = [_Prev(st.last_spec, st.last_hit, st.cache_fan) for st in states]  # before advance()
-        tokens = torch.zeros(n, k_spec, dtype=torch.long)
+        tokens = torch.full((n, k_spec), build.PAD, dtype=torch.long)
+        tokens[:, :width] = 0
         hit = np.zeros(n, dtype=np.bool_)
         q16: list[Optional[torch.Tensor]] = [None] * n
         missed = []
@@ -266,8 +272,12 @@ class DraftEngine:
                 missed.append(i)
             else:
                 hit[i] = True
-                tokens[i] = entry.tokens.cpu()
-                q16[i] = entry.q16
+                row, q = entry.tokens.cpu(), entry.q16
+                if width < k_spec:  # an entry built for a wider verify: its first width drafts
+                    row = torch.cat([row[:width], torch.full((k_spec - width,), build.PAD, dtype=row.dtype)])
+                    q = None if q is None else torch.cat([q[:width], torch.zeros_like(q[width:])])
+                tokens[i] = row
+                q16[i] = q
         if self.fanout is not None and self.fanout.observe(
                 prev, msg.ks, [bool(h) if k >= 0 else None for h, k in zip(hit, msg.ks)]):
             s.fan_out, s.fan_out_miss = map(list, self.fanout.schedules())
@@ -276,22 +286,26 @@ class DraftEngine:
         t_b = time.perf_counter()
         kind = self.backups.choose(n) if missed else "neural"
         if missed and kind == "fast":
-            toks, qs, outside = fast_backup([states[i] for i in missed], k_spec, self.runner.vocab_size, self.gen,
+            toks, qs, outside = fast_backup([states[i] for i in missed], width, self.runner.vocab_size, self.gen,
                                             cols=self.runner.cols)
             raw = None
         elif missed and kind == "hybrid":  # one draft-model step, n-gram copy after it
             sub = [states[i] for i in missed]
             steps = self.hybrid_steps or (SAMPLED_HYBRID_STEPS if any(st.temperature > 0 for st in sub) else 1)
-            head = self._decode_backup(sub, keep_logits=False, steps=min(steps, k_spec))[:2]
-            toks, qs, outside = fast_backup(sub, k_spec, self.runner.vocab_size, self.gen, head=head,
+            head = self._decode_backup(sub, keep_logits=False, steps=min(steps, width))[:2]
+            toks, qs, outside = fast_backup(sub, width, self.runner.vocab_size, self.gen, head=head,
                                             cols=self.runner.cols)
             raw = None
         elif missed:
-            toks, qs, raw = self._decode_backup([states[i] for i in missed], keep_logits=s.mode == "async")
+            toks, qs, raw = self._decode_backup([states[i] for i in missed], keep_logits=s.mode == "async",
+                                                steps=width)
         if missed:
             for r, i in enumerate(missed):
-                tokens[i] = toks[r]
-                q16[i] = None if qs is None or msg.temperatures[i] <= 0 else qs[r]
+                tokens[i, :width] = toks[r]
+                q = None if qs is None or msg.temperatures[i] <= 0 else qs[r]
+                if q is not None and width < k_spec:  # the wire's q rows are [K, W]: zeros past width
+                    q = torch.cat([q, q.new_zeros(k_spec - width, q.shape[1])])
+                q16[i] = q
                 if raw is not None:
                     jit_logits[i] = raw[r]
         backup_ms = _ms(t_b) if missed else 0.0
@@ -320,8 +334,8 @@ class DraftEngine:
                          backup_ms=backup_ms, fast_rows=len(missed) if kind != "neural" else 0, **built)
 
     def _decode_backup(self, states: Sequence[RequestState], keep_logits: bool = True, steps: Optional[int] = None):
-        """Just-in-time K-token decode (or the first `steps` tokens) from each state's context, batched
-        across rows.
+        """Just-in-time K-token decode (or the first `steps` tokens: the round's width) from each state's
+        context, batched across rows.
 
         -> tokens [m, K], q16 [m, K, W] or None, raw logits [m, K, W] (reused as glue rows 0..K-1;
         None unless keep_logits); W = the runner's column space (a reduced head's own ids, or V)."""
@@ -387,6 +401,7 @@ class DraftEngine:
             "avg_tree_ms": st.tree_ms / builds, "last_build_ms": st.last["build_ms"],
             "builds_cut": st.builds_cut, "builds_cut_before_glue": st.builds_cut_before_glue,
             **{f"cut_depth_{d}": n for d, n in sorted(st.cut_depth_hist.items())},
+            **{f"width_{w}": n for w, n in sorted(st.width_hist.items())},
             **self.budget.report(),
             "avg_answer_ms": st.answer_ms / max(st.rounds, 1),
             "avg_backup_ms": st.backup_ms / max(st.rounds, 1),

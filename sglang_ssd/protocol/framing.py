@@ -11,13 +11,14 @@ import msgpack
 import numpy as np
 
 MAGIC = "sglang-ssd"
-PROTOCOL_VERSION = 8  # 2: Prefill carries per-request Saguaro sampling C; Hello the backup kind
+PROTOCOL_VERSION = 9  # 2: Prefill carries per-request Saguaro sampling C; Hello the backup kind
                       # 3: HelloReply says whether the session was resumed (state kept)
                       # 4: Prefill.round0: build a round-0 cache (sent while the target prefills)
                       # 5: SpecReply.q_ids: q travels over the draft head's token ids only
                       # 6: SpecReply.builds / cut_depth / fast_rows (for the worker's metrics)
                       # 7: backup "hybrid" (one neural draft step, then n-gram; counted in fast_rows)
                       # 8: target features for EAGLE-3 drafts (HelloReply.feature_layers, Speculate.features)
+                      # 9: Speculate.width: the drafts the worker verifies per request (batch-size-aware K)
 BACKUPS = ("neural", "fast", "hybrid", "auto")
 MAX_HEADER_BYTES = 4 << 20        # msgpack header frame
 MAX_FRAME_BYTES = 1 << 30         # any array frame (q of a large batch is the big one)

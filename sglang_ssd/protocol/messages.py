@@ -156,10 +156,15 @@ class Speculate(Message):
     For a draft that asked for target features (HelloReply.feature_layers): row i brings
     ``feat_lens[i]`` of them, for the committed positions ``feat_starts[i]`` .. + feat_lens[i] - 1 (the
     target's verify or prefill computed them; the newest bonus token has none yet), stacked in row
-    order in ``features`` [sum(feat_lens), F] float16.  Empty arrays for a standalone draft."""
+    order in ``features`` [sum(feat_lens), F] float16.  Empty arrays for a standalone draft.
+
+    ``width`` (0 = K): how many drafts per request the worker will verify (its batch-size-aware K).  The
+    draft then replies width-token speculations (PAD after them) and builds its cache for width-token
+    verifies: outcomes j = 0 .. width, "all width accepted" with the draft's own next token among the
+    bonus guesses.  A hint only: an outcome of any length is still looked up (and proposed) correctly."""
 
     TYPE: ClassVar[str] = "speculate"
-    HEADER: ClassVar = ("round_id", "rids")
+    HEADER: ClassVar = ("round_id", "rids", "width")
     ARRAYS: ClassVar = {"ks": ("<i8", 1), "bonuses": ("<i8", 1), "temperatures": ("<f8", 1),
                         "feat_starts": ("<i8", 1), "feat_lens": ("<i8", 1), "features": ("<f2", 2)}
     round_id: int
@@ -170,9 +175,11 @@ class Speculate(Message):
     feat_starts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     feat_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     features: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.float16))
+    width: int = 0
 
     def validate(self):
         self.round_id = _int(self.round_id, "round_id", 0, 1 << 62)
+        self.width = _int(self.width, "width", 0, MAX_K)
         self.rids = _str_list(self.rids, "rids")
         _same_len("rids", len(self.rids), ks=self.ks, bonuses=self.bonuses, temperatures=self.temperatures)
         self.ks = _int_list(self.ks, "ks", MAX_BATCH, -1, MAX_K)

@@ -39,7 +39,8 @@ class Ahead:
     reply: Optional[SpecReply] = None
 
 
-def send(link, reqs, accept_lens: list[int], out_tokens: list[list[int]], temperatures: list[float]) -> bool:
+def send(link, reqs, accept_lens: list[int], out_tokens: list[list[int]], temperatures: list[float],
+         width: int = 0) -> bool:
     """After the verify: the round's outcome and the next Speculate, without waiting.  -> sent."""
     if (not link.cfg.send_ahead or link.features.enabled or link.client is None or not link.client_ok
             or link._late is not None or link._inflight is not None or link._ahead is not None):
@@ -57,7 +58,7 @@ def send(link, reqs, accept_lens: list[int], out_tokens: list[list[int]], temper
         knowns.append(st.known_len + a)
         tails.append([int(x) for x in toks[:a]])
     round_id = link.round_id + 1
-    msg = Speculate(round_id, rids, ks, bonuses, [float(t) for t in temperatures])
+    msg = Speculate(round_id, rids, ks, bonuses, [float(t) for t in temperatures], width=int(width))
     try:
         req_id = link.client.send(msg, timeout_s=0)  # one try: a healthy socket always takes it
     except Exception as exc:  # nothing was sent: the next round asks the ordinary way

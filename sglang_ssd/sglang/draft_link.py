@@ -215,7 +215,8 @@ class DraftLink:
                 self.proc.kill()
 
     # ---- per round ----------------------------------------------------------------------
-    def speculate(self, reqs, temperatures: list[float]) -> Proposal:
+    def speculate(self, reqs, temperatures: list[float], width: int = 0) -> Proposal:
+        """This round's drafts (K per request, or ``width`` < K: the drafts the worker verifies)."""
         bs = len(reqs)
         t0 = time.perf_counter()
         if not self.client_ok:
@@ -247,7 +248,7 @@ class DraftLink:
             covered = {p for p in pos if p >= 0}
             rest = [i for i in range(bs) if i not in covered]
             if rest:  # rows the ahead reply did not answer (or every row, without one)
-                pieces.append(self._ask([reqs[i] for i in rest], [temperatures[i] for i in rest], rest))
+                pieces.append(self._ask([reqs[i] for i in rest], [temperatures[i] for i in rest], rest, width))
             prop = assemble_proposal(bs, self.k, self.vocab_size, self.device, pieces)
             self._inflight = None
         except TimeoutError as exc:  # DraftTimeout: a live draft that is late
@@ -272,7 +273,7 @@ class DraftLink:
         m = reply.tokens.shape[0]
         return usable_drafts(torch.as_tensor(reply.tokens, dtype=torch.int64).reshape(m, self.k), self.vocab_size)
 
-    def _ask(self, reqs, temperatures: list[float], positions: list[int]):
+    def _ask(self, reqs, temperatures: list[float], positions: list[int], width: int = 0):
         """Prefill (rows the draft does not know) and Speculate for these rows of the batch, waiting for the
         reply (the round's deadline).  -> (reply, their batch positions, usable tokens, max_accept)."""
         rids = [r.rid for r in reqs]
@@ -301,16 +302,18 @@ class DraftLink:
         self._inflight = ("speculate", rids, knowns, self.round_id)
         reply = self.client.speculate(self.round_id, rids, ks, bonuses, temperatures,
                                       timeout_s=self._deadline(),
-                                      features=self.features.take(rids) if self.features.enabled else None)
+                                      features=self.features.take(rids) if self.features.enabled else None,
+                                      width=width)
         tokens, max_accept = self._usable(reply)
         for r, row, n, known in zip(reqs, tokens.tolist(), max_accept.tolist(), knowns):
             self.states[r.rid] = _ReqState(spec=row[:n], known_len=known)  # only what may be accepted
         return reply, list(positions), tokens, max_accept
 
     def send_ahead(self, reqs, accept_lens: list[int], out_tokens: list[list[int]],
-                   temperatures: list[float]) -> bool:
-        """Right after a verify: this round's outcome and the next Speculate, not waited for (ahead.py)."""
-        return ahead.send(self, reqs, accept_lens, out_tokens, temperatures)
+                   temperatures: list[float], width: int = 0) -> bool:
+        """Right after a verify: this round's outcome and the next Speculate, not waited for (ahead.py);
+        width: the drafts per request the next round is expected to verify (0 = K)."""
+        return ahead.send(self, reqs, accept_lens, out_tokens, temperatures, width)
 
     def _deadline(self) -> float:
         """The round's wait bound: round_deadline_s, stretched to 5x the recent reply time so a big

@@ -13,6 +13,12 @@ if not torch.cuda.is_available():
 # draft_dtype auto on a CPU measures whether bf16 pays (draft/cpu_dtype.py); the suite pins float32 so its
 # numerics checks (tree vs chain, vs transformers) do not depend on the CPU model (test_cpu_dtype unpins it)
 os.environ.setdefault("SGLANG_SSD_DRAFT_CPU_DTYPE", "float32")
+# the target's row costs (auto K, batch-size-aware K) are measured once per suite run, into a directory of
+# its own: nothing from an earlier run or another checkout (cpu/row_cost_probe.py's disk cache)
+if "SGLANG_SSD_ROW_COST_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["SGLANG_SSD_ROW_COST_CACHE"] = tempfile.mkdtemp(prefix="sglang-ssd-row-costs-")
 
 
 def _prepared(path: str) -> str:

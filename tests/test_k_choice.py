@@ -103,6 +103,50 @@ def test_round_k_policy_measures_once_per_batch_size(monkeypatch):
     assert rk(8) == 1 and rk(1) == 3 and len(asked) == 1  # kept per batch size
     assert rk(2) in (1, 2, 3) and asked[-1] == [2, 4, 6]  # 1 and 8 known already
 
+    # at start-up: sizes 2 .. max_bs in one probe, none in a live round after it
+    asked.clear()
+    rk = RoundK(True, 3, 0.5, "p", cpu=True)
+    rk.warm(4)
+    assert asked == [sorted({1, *(b * m for b in range(2, 5) for m in range(1, 5))})]
+    assert set(rk.by_bs) == {2, 3, 4} and rk(4) == rk.by_bs[4] and len(asked) == 1
+    asked.clear()
+    for off in (RoundK(False, 3, 0.5, "p", cpu=True), RoundK(2, 3, 0.5, "p", cpu=True),
+                RoundK(True, 3, 0.5, "p", cpu=False)):
+        off.warm(8)
+    assert not asked  # off, a fixed cap, or not the CPU engine: nothing measured
+
+
+def test_probe_costs_are_kept_on_disk(tmp_path, monkeypatch, target_path):
+    """probe_target measures only row counts this machine has not measured (cache per CPU / torch / shapes /
+    route); "0" turns the cache off."""
+    import sglang_ssd.cpu.row_cost_probe as probe
+
+    measured = []
+    real = probe.linear_row_costs
+
+    def counting(hf, rows, env=None):
+        measured.append(list(rows))
+        return real(hf, rows, env)
+
+    monkeypatch.setattr(probe, "linear_row_costs", counting)
+    env = {"SGLANG_SSD_ROW_COST_CACHE": str(tmp_path / "rc")}
+    first = probe.probe_target(target_path, [1, 2], env)
+    assert measured == [[1, 2]] and len(list((tmp_path / "rc").iterdir())) == 1
+    again = probe.probe_target(target_path, [2, 3, 1], env)
+    assert measured == [[1, 2], [3]] and again[1] == first[1] and again[2] == first[2] and set(again) == {1, 2, 3}
+    # another route is another cache file (its costs differ)
+    probe.probe_target(target_path, [1], dict(env, SGLANG_SSD_SMALL_M_ROUTE="linear"))
+    assert measured[-1] == [1] and len(list((tmp_path / "rc").iterdir())) == 2
+    # a damaged file is measured again, not trusted
+    for f in (tmp_path / "rc").iterdir():
+        f.write_text("{not json")
+    probe.probe_target(target_path, [1], env)
+    assert measured[-1] == [1]
+    n = len(measured)
+    probe.probe_target(target_path, [1], {"SGLANG_SSD_ROW_COST_CACHE": "0"})
+    probe.probe_target(target_path, [1], {"SGLANG_SSD_ROW_COST_CACHE": "0"})
+    assert len(measured) == n + 2  # off: measured every time
+
 
 def test_a_chain_prefix_keeps_its_own_q():
     """Proposal.first(k): the first k drafts, their q rows and sums, max_accept capped at k."""

@@ -9,13 +9,23 @@ fixed one).  Weights are
 filled, not random (same timing; fast to make), and distinct per layer up to PROBE_BYTES so that none stays
 in cache, as in the real forward; the rest of the layers are counted by scaling.  About 2-4 s for
 SmolLM2-135M.  sglang_ssd/saguaro/k_choice.py turns the costs into K.
+
+``probe_target`` keeps what it measured on disk (SGLANG_SSD_ROW_COST_CACHE: a directory, default
+~/.cache/sglang-ssd/row_costs; "0" = off), one JSON file per CPU model, torch version, target shapes and
+route settings, and measures only the row counts it has not seen: every server on a machine then uses the
+same costs (auto K no longer flips between two near-tied K from launch to launch), and batch-size-aware K
+(sglang/round_k.py) needs no probe in a live round for a batch size seen before (a b = 8 probe took
+~2-3 s on an AMD EPYC core: a stall of 20 rounds).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import platform
+import tempfile
 
 import torch
 
@@ -69,7 +79,8 @@ def linear_row_costs(hf: dict, rows, env=None) -> dict[int, float]:
 
 
 def probe_target(model_path: str, rows, env=None) -> dict[int, float] | None:
-    """``linear_row_costs`` for the checkpoint at model_path; None when its config.json cannot be read."""
+    """``linear_row_costs`` for the checkpoint at model_path (row counts measured before on this machine
+    come from the disk cache); None when its config.json cannot be read."""
     try:
         with open(os.path.join(model_path, "config.json")) as fh:
             hf = json.load(fh)
@@ -78,4 +89,57 @@ def probe_target(model_path: str, rows, env=None) -> dict[int, float] | None:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         logger.info("saguaro auto K: cannot read the target's shapes from %s (%s)", model_path, exc)
         return None
-    return linear_row_costs(hf, rows, env)
+    rows = sorted({int(m) for m in rows})
+    path = cache_file(hf, env)
+    known = _load(path) if path else {}
+    need = [m for m in rows if m not in known]
+    if need:
+        known.update(linear_row_costs(hf, need, env))
+        if path:
+            _save(path, known)
+    return {m: known[m] for m in rows}
+
+
+CACHE_ENV = "SGLANG_SSD_ROW_COST_CACHE"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            info = fh.read()
+    except OSError:
+        return platform.processor() or platform.machine()
+    pick = lambda key: next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith(key)), "")
+    return "|".join([pick("model name"), pick("cpu family"), pick("model\t"), pick("flags")])
+
+
+def cache_file(hf: dict, env=None) -> str | None:
+    """The cache file for this CPU, torch, target shapes and linear route (None: caching off)."""
+    env = os.environ if env is None else env
+    root = env.get(CACHE_ENV, "").strip() or os.path.expanduser("~/.cache/sglang-ssd/row_costs")
+    if root == "0":
+        return None
+    layer, head, n_layers = target_shapes(hf)
+    ident = json.dumps([_cpu_name(), torch.__version__, layer, head, n_layers, sml.route(env), sml.max_rows(env),
+                        sml.min_rows(env), PROBE_BYTES])
+    return os.path.join(root, hashlib.sha256(ident.encode()).hexdigest()[:24] + ".json")
+
+
+def _load(path: str) -> dict[int, float]:
+    try:
+        with open(path) as fh:
+            return {int(m): float(c) for m, c in json.load(fh)["costs"].items() if float(c) > 0}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}  # none yet, or unreadable: measure again
+
+
+def _save(path: str, costs: dict[int, float]) -> None:
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"cpu": _cpu_name().split("|")[0], "torch": torch.__version__,
+                       "costs": {str(m): c for m, c in sorted(costs.items())}}, fh)
+        os.replace(tmp, path)  # atomic: servers starting together never read half a file
+    except OSError as exc:
+        logger.info("row cost cache not written (%s): %s", path, exc)

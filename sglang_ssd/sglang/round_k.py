@@ -10,8 +10,10 @@ speedup with the target's measured row costs (``k_choice.choose_round_k``); the 
 slots stay unused.  Exact: a chain's first k drafts, verified against their own q, are the same rule on
 fewer rows (``Proposal.first``).
 
-    batch_k: true    measured per batch size of 2 or more, once per size (the first round of a new size
-                     probes the linears for its row counts: ~0.1-0.5 s); one request verifies K (default)
+    batch_k: true    measured per batch size of 2 or more: sizes 2 .. WARM_BATCH when the worker starts,
+                     a larger size in its first round (a probe of its row counts, ~1-3 s, unless this
+                     machine measured them before: row_cost_probe's disk cache); one request verifies K
+                     (default)
              false   every round verifies K
              N       at most N drafts per round (a fixed cap)
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import logging
 
 logger = logging.getLogger(__name__)
+WARM_BATCH = 8  # batch sizes 2 .. this are chosen at start-up, not in a live round
 
 
 class RoundK:
@@ -44,22 +47,36 @@ class RoundK:
             self.by_bs[bs] = self._choose(bs)
         return self.by_bs[bs]
 
+    def warm(self, max_bs: int = WARM_BATCH) -> None:
+        """Choose k for batch sizes 2 .. max_bs now (one probe of all their row counts, or the disk cache)."""
+        if not self.active or self.mode is not True or max_bs < 2:
+            return
+        self._measure({1, *(bs * (j + 1) for bs in range(2, max_bs + 1) for j in range(self.k + 1))})
+        for bs in range(2, max_bs + 1):
+            self(bs)
+
+    def _measure(self, rows) -> bool:
+        from sglang_ssd.cpu.row_cost_probe import probe_target
+
+        need = sorted(set(rows) - set(self.costs))
+        if need:
+            got = probe_target(self.path, need)
+            if got is None:
+                return False
+            self.costs.update(got)
+        return True
+
     def cost(self, m: int) -> float:
         """ms of m rows: the least measured cost of m or more rows (m rows never cost more than m' > m, which
         could compute them padded), so one disturbed timing cannot make a row count look prohibitive."""
         return min(c for r, c in self.costs.items() if r >= m)
 
     def _choose(self, bs: int) -> int:
-        from sglang_ssd.cpu.row_cost_probe import probe_target
         from sglang_ssd.saguaro.k_choice import choose_round_k
         from sglang_ssd.sglang.spec_algo import STEP_OVERHEAD
 
-        need = sorted({1, *(bs * (j + 1) for j in range(self.k + 1))} - set(self.costs))
-        if need:
-            got = probe_target(self.path, need)
-            if got is None:
-                return self.k
-            self.costs.update(got)
+        if not self._measure({1, *(bs * (j + 1) for j in range(self.k + 1))}):
+            return self.k
         k, table = choose_round_k(self.cost, bs, self.alpha, STEP_OVERHEAD * self.costs[1], self.k)
         logger.info("saguaro batch K: %d of K = %d drafts verified at batch %d (predicted speedup by k at alpha "
                     "%.2f: %s)", k, self.k, bs, self.alpha, {j: round(v, 3) for j, v in table.items()})

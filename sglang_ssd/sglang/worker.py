@@ -36,7 +36,7 @@ from sglang_ssd.sglang.compat import resolved_args
 from sglang_ssd.sglang.draft_link import DraftLink
 from sglang_ssd.sglang.grammar import mask_chain_logits
 from sglang_ssd.sglang.metrics import SaguaroMetrics
-from sglang_ssd.sglang.round_k import RoundK
+from sglang_ssd.sglang.round_k import WARM_BATCH, RoundK
 from sglang_ssd.sglang.target_features import enable_capture
 from sglang_ssd.sglang.verify_input import build_chain_verify_input, verify_reads_mask
 
@@ -97,6 +97,7 @@ class SaguaroWorker(BaseSpecWorker):
         # batch-size-aware K (CPU engine): not with logprobs or EAGLE features (both read the full chain layout)
         self.round_k = RoundK(self.cfg.batch_k, self.k, self.cfg.alpha_prior, str(server_args.model_path),
                               cpu=not self.device_is_gpu and self.capture is None)
+        self.round_k.warm(min(WARM_BATCH, getattr(server_args, "max_running_requests", None) or WARM_BATCH))
         self.metrics = SaguaroMetrics.maybe(server_args)  # --enable-metrics: saguaro's series on /metrics
         atexit.register(self.link.close)
         seed = server_args.random_seed if server_args.random_seed is not None else 0

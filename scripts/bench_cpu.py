@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -151,6 +152,20 @@ def server(mode: str, k: int, workdir: str) -> SGLangServer:
     return srv
 
 
+def draft_health(endpoint: str, tree: str | None = None) -> dict:
+    """The draft's health counters; a draft of another checkout (bench_variants' "tree": a before/after
+    run across a protocol change) is asked by that checkout's own client, in a subprocess."""
+    if not tree:
+        with DraftClient(endpoint, timeout_s=30) as client:
+            return client.health()
+    code = ("import json, sys; from sglang_ssd.draft.client import DraftClient\n"
+            "with DraftClient(sys.argv[1], timeout_s=30) as c: print(json.dumps(c.health()))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code, endpoint], env=env, cwd=tree, capture_output=True, text=True,
+                         timeout=120, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def _snapshot(srv) -> dict:
     """The worker's cumulative counters and the draft's (absent for AR)."""
     if srv.endpoint is None:
@@ -161,8 +176,7 @@ def _snapshot(srv) -> dict:
         link = {}
     snap = {k: link.get(k, 0) for k in LINK_KEYS}
     snap["accepted"] = link.get("accept_len", 0) * link.get("rows", 0)
-    with DraftClient(srv.endpoint, timeout_s=30) as client:
-        h = client.health()
+    h = draft_health(srv.endpoint, getattr(srv, "tree", None))
     snap.update({k: h.get(k, 0) for k in DRAFT_KEYS})
     snap["build_s"] = h.get("avg_build_ms", 0) * h.get("builds", 0) / 1000
     return snap

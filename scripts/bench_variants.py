@@ -67,6 +67,7 @@ def server(v: dict, k: int, workdir: str) -> SGLangServer:
     srv = SGLangServer(paths.target_path(), extra, env=env, cpu_core=0, log_path=os.path.join(workdir, f"{name}.log"),
                        cwd=tree or str(HERE.parent))
     srv.endpoint, srv.stats_path = (endpoint if v["mode"] != "ar" else None), stats
+    srv.tree = tree  # its draft speaks that checkout's protocol: bench_cpu reads its health through it
     return srv
 
 

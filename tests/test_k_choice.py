@@ -116,6 +116,37 @@ def test_round_k_policy_measures_once_per_batch_size(monkeypatch):
     assert not asked  # off, a fixed cap, or not the CPU engine: nothing measured
 
 
+def test_round_k_follows_the_measured_acceptance(monkeypatch):
+    """k is chosen with alpha_prior until REFIT_ROWS verified rows are in, then with the fitted acceptance
+    (accepted / (accepted + rejections)), again for every size seen and without a new probe."""
+    import sglang_ssd.cpu.row_cost_probe as probe
+    from sglang_ssd.sglang import round_k as rk_mod
+    from sglang_ssd.sglang.round_k import RoundK
+
+    asked = []
+
+    def fake_probe(path, rows, env=None):
+        asked.append(list(rows))
+        return {m: (30.0 if m <= 4 else 30.0 + 5.0 * (m - 4)) for m in rows}
+
+    monkeypatch.setattr(probe, "probe_target", fake_probe)
+    rk = RoundK(True, 3, 0.5, "p", cpu=True)
+    rk.warm(2)
+    assert rk(2) == 1 and len(asked) == 1  # alpha 0.5: k = 1 at b = 2 on these costs
+    rows = rk_mod.REFIT_ROWS
+    rk.observe([1] * (rows - 1), [1] * (rows - 1))  # one row short of a fit: nothing changes
+    assert rk.alpha == 0.5 and rk(2) == 1
+    rk.observe([3] * 8 + [1], [3] * 8 + [3])  # 9 more rows: a fit over rows of mostly full acceptance
+    assert rk.alpha > 0.9 and rk(2) == 3 and len(asked) == 1
+    rk.observe([0] * rows, [3] * rows)  # then every draft rejected: the fit falls, k with it
+    assert rk.alpha < 0.6 and rk(2) == 1
+    rk.observe([0] * rows, [0] * rows)  # target-only rows say nothing
+    assert rk._rows == 0
+    fixed = RoundK(2, 3, 0.5, "p", cpu=True)
+    fixed.observe([3] * rows, [3] * rows)
+    assert fixed.alpha == 0.5  # a fixed cap does not fit anything
+
+
 def test_probe_costs_are_kept_on_disk(tmp_path, monkeypatch, target_path):
     """probe_target measures only row counts this machine has not measured (cache per CPU / torch / shapes /
     route); "0" turns the cache off."""

@@ -24,6 +24,8 @@ import logging
 
 logger = logging.getLogger(__name__)
 WARM_BATCH = 8  # batch sizes 2 .. this are chosen at start-up, not in a live round
+REFIT_ROWS = 256  # verified rows between fits of the acceptance rate
+REFIT_DELTA = 0.03  # k is chosen again when the fitted acceptance moved this much
 
 
 class RoundK:
@@ -31,6 +33,8 @@ class RoundK:
         self.mode, self.k, self.alpha, self.path, self.cpu = batch_k, k, alpha, model_path, cpu
         self.by_bs: dict[int, int] = {}
         self.costs: dict[int, float] = {}  # M rows -> ms of the target's linears (probe)
+        self._acc = self._rej = 0.0  # drafts accepted / rejections seen (decayed by half at each fit)
+        self._rows = 0
 
     @property
     def active(self) -> bool:
@@ -65,6 +69,29 @@ class RoundK:
                 return False
             self.costs.update(got)
         return True
+
+    def observe(self, accepted, offered) -> None:
+        """One round's rows: drafts accepted of the drafts verified.  The acceptance rate the choice
+        assumes starts at alpha_prior and is then fitted to this server's traffic every REFIT_ROWS rows
+        (the geometric law's estimate accepted / (accepted + rejections): a row that accepted all it was
+        offered has no rejection); k is chosen again for the sizes seen when it moved by REFIT_DELTA."""
+        if not self.active or self.mode is not True:
+            return
+        for a, n in zip(accepted, offered):
+            if n > 0:  # a target-only row (max_accept 0) says nothing
+                self._acc += a
+                self._rej += int(a < n)
+                self._rows += 1
+        if self._rows < REFIT_ROWS:
+            return
+        fitted = self._acc / max(self._acc + self._rej, 1e-9)
+        self._acc, self._rej, self._rows = self._acc / 2, self._rej / 2, 0  # recent rows weigh more
+        if abs(fitted - self.alpha) < REFIT_DELTA:
+            return
+        logger.info("saguaro batch K: acceptance fitted %.3f (was %.3f): k chosen again", fitted, self.alpha)
+        self.alpha = min(fitted, 0.99)
+        for bs in list(self.by_bs):  # their row costs are measured already: no probe
+            self.by_bs[bs] = self._choose(bs)
 
     def cost(self, m: int) -> float:
         """ms of m rows: the least measured cost of m or more rows (m rows never cost more than m' > m, which

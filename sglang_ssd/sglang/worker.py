@@ -216,7 +216,8 @@ class SaguaroWorker(BaseSpecWorker):
                 max_accept=prop.max_accept.to(self.device), q_valid=prop.q_valid.to(self.device),
             )
         accept_lens = accept_lens.to(torch.int32)
-        self.round_k.observe((accept_lens - 1).tolist(), prop.max_accept.tolist())  # batch K's acceptance fit
+        if self.round_k.active:  # batch K's acceptance fit (no host copy of accept_lens otherwise)
+            self.round_k.observe((accept_lens - 1).tolist(), prop.max_accept.tolist())
         if self.capture is not None:  # features of the committed positions (root + accepted drafts)
             self.features.from_verify([r.rid for r in reqs], seq_lens.tolist(), accept_lens.tolist(),
                                       result.logits_output.hidden_states, n)

@@ -141,3 +141,21 @@ def test_a_wider_entry_is_cut_to_the_width_and_a_short_one_stays_short(runner):
         j, b = outcomes[r]
         ctx[r] += spec[r][:j] + [b]
     _check_rows(runner, reply, ctx, 1)
+
+
+def test_a_new_session_with_a_smaller_k_forgets_the_old_width(runner):
+    """A width from an old session (K = 3) must not outlive it: a new Hello with K = 2 and its round-0 build
+    (Prefill.round0) build 2-deep entries, not 3."""
+    e = _engine(runner)
+    _ask(e, 0, {r: (-1, BONUS[r]) for r in RIDS}, 3)
+    assert e.width == 3
+    fan2 = [2, 1, 2]
+    e.hello(Hello(PROTOCOL_VERSION, "w2", 2, "async", fan2, V, [], fan2))
+    assert e.width is None
+    e.prefill(Prefill(["a"], [PROMPTS["r0"]], [0.0], round0=True))
+    e.build_cache()
+    keys = e.cache.keys("a")
+    assert keys and e.stats.builds_cut == 0
+    for j, b in keys:
+        toks = e.cache.peek("a", j, b).tokens.tolist()
+        assert len(toks) == 2 and toks == greedy_reference(runner, PROMPTS["r0"] + [b], 2)

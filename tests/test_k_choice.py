@@ -1,6 +1,8 @@
 """K from measured verify costs (saguaro/k_choice.py) and the CPU row-cost probe (cpu/row_cost_probe.py)."""
 
+import json
 import math
+import os
 
 import pytest
 
@@ -173,6 +175,11 @@ def test_probe_costs_are_kept_on_disk(tmp_path, monkeypatch, target_path):
         f.write_text("{not json")
     probe.probe_target(target_path, [1], env)
     assert measured[-1] == [1]
+    # two servers measuring different rows at once: the second save keeps the first one's rows
+    f = probe.cache_file(json.load(open(os.path.join(target_path, "config.json"))), env)
+    probe._save(f, {7: 1.0})
+    probe._save(f, {9: 2.0})
+    assert {7: 1.0, 9: 2.0}.items() <= probe._load(f).items() and not [p for p in os.listdir(tmp_path / "rc") if p.endswith(".tmp")]
     n = len(measured)
     probe.probe_target(target_path, [1], {"SGLANG_SSD_ROW_COST_CACHE": "0"})
     probe.probe_target(target_path, [1], {"SGLANG_SSD_ROW_COST_CACHE": "0"})

@@ -184,7 +184,7 @@ def test_saguaro_equals_plain_sglang(mode, target_path, draft_path, prompts, ref
 def test_async_with_cut_builds_equals_plain_sglang(target_path, draft_path, prompts, reference, tmp_path):
     """Every draft cache build stops after depth 2 of K = 4 (SGLANG_SSD_MAX_BUILD_DEPTH, inherited by the
     draft process): cache hits are 2-token speculations padded with -1; greedy output stays plain SGLang's.
-    Batch K off: every round verifies K = 4, so every build (to the verify's width) is cut."""
+    Batch K off: every Speculate asks for K = 4 drafts, so every build (to that width) is cut."""
     srv = _saguaro_server(target_path, draft_path, "async", tmp_path, extra_env={"SGLANG_SSD_MAX_BUILD_DEPTH": "2"},
                           round_deadline_s=10, batch_k=False)
     with srv:

@@ -134,12 +134,18 @@ def _load(path: str) -> dict[int, float]:
 
 
 def _save(path: str, costs: dict[int, float]) -> None:
+    tmp = None
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        merged = {**_load(path), **costs}  # rows another server saved meanwhile are kept
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
         with os.fdopen(fd, "w") as fh:
             json.dump({"cpu": _cpu_name().split("|")[0], "torch": torch.__version__,
-                       "costs": {str(m): c for m, c in sorted(costs.items())}}, fh)
+                       "costs": {str(m): c for m, c in sorted(merged.items())}}, fh)
         os.replace(tmp, path)  # atomic: servers starting together never read half a file
+        tmp = None
     except OSError as exc:
         logger.info("row cost cache not written (%s): %s", path, exc)
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)

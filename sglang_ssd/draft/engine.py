@@ -160,6 +160,7 @@ class DraftEngine:
         self.requests.clear()
         self.cache.clear()
         self.pending = []
+        self.width = None  # a new session's K may be smaller than the old session's width
 
     def _need_session(self) -> Session:
         if self.session is None:

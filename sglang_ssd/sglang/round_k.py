@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import logging
 
+from sglang_ssd.saguaro.estimator import AcceptanceEstimator
+
 logger = logging.getLogger(__name__)
 WARM_BATCH = 8  # batch sizes 2 .. this are chosen at start-up, not in a live round
 REFIT_ROWS = 256  # verified rows between fits of the acceptance rate
@@ -33,8 +35,9 @@ class RoundK:
         self.mode, self.k, self.alpha, self.path, self.cpu = batch_k, k, alpha, model_path, cpu
         self.by_bs: dict[int, int] = {}
         self.costs: dict[int, float] = {}  # M rows -> ms of the target's linears (probe)
-        self._acc = self._rej = 0.0  # drafts accepted / rejections seen (decayed by half at each fit)
-        self._rows = 0
+        # the acceptance fit (accepted / (accepted + rejections), recent rows weigh more), no prior pseudo-counts
+        self.fit = AcceptanceEstimator(max(k, 1), prior_a=alpha, prior_weight=0.0, half_life=REFIT_ROWS)
+        self._rows = 0  # rows since the last fit
 
     @property
     def active(self) -> bool:
@@ -79,13 +82,11 @@ class RoundK:
             return
         for a, n in zip(accepted, offered):
             if n > 0:  # a target-only row (max_accept 0) says nothing
-                self._acc += a
-                self._rej += int(a < n)
+                self.fit.observe(a, True, cap=n)
                 self._rows += 1
         if self._rows < REFIT_ROWS:
             return
-        fitted = self._acc / max(self._acc + self._rej, 1e-9)
-        self._acc, self._rej, self._rows = self._acc / 2, self._rej / 2, 0  # recent rows weigh more
+        fitted, self._rows = self.fit.estimate(True), 0
         if abs(fitted - self.alpha) < REFIT_DELTA:
             return
         logger.info("saguaro batch K: acceptance fitted %.3f (was %.3f): k chosen again", fitted, self.alpha)

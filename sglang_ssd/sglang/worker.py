@@ -159,8 +159,8 @@ class SaguaroWorker(BaseSpecWorker):
 
         # 1. last round's outcome -> draft; this round's drafts <- draft (hit or backup).  Batch-size-aware
         # K: verify the first k <= K drafts (n = k + 1 of the K + 1 reserved slots); the draft is told k
-        k_round = self.k if batch.return_logprob else self.round_k(bs)
-        prop = self.link.speculate(reqs, draft_temps.tolist(), width=k_round)
+        k_round = width = self.k if batch.return_logprob else self.round_k(bs)
+        prop = self.link.speculate(reqs, draft_temps.tolist(), width=width)
         if self.round_k.cpu and not batch.return_logprob:  # no rows past what may be accepted (a fallback
             k_round = min(k_round, int(prop.max_accept.max()))  # round verifies the root alone: an AR step)
         prop, n = prop.first(k_round), k_round + 1
@@ -222,8 +222,7 @@ class SaguaroWorker(BaseSpecWorker):
             self.features.from_verify([r.rid for r in reqs], seq_lens.tolist(), accept_lens.tolist(),
                                       result.logits_output.hidden_states, n)
         # the outcome goes to the draft now, so its answer overlaps SGLang's work until the next round
-        self.link.send_ahead(reqs, accept_lens.tolist(), out_tokens.tolist(), draft_temps.tolist(),
-                             width=self.k if batch.return_logprob else self.round_k(bs))
+        self.link.send_ahead(reqs, accept_lens.tolist(), out_tokens.tolist(), draft_temps.tolist(), width=width)
         t_end = time.perf_counter()
         self.link.record(accept_lens.tolist(), verify_s=t_accept - t_verify, accept_s=t_end - t_accept,
                          t_start=t_start, t_end=t_end, hits=prop.hit.tolist())

@@ -133,6 +133,8 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Draft(nn.Module):
+    head_linear = staticmethod(F.linear)  # the head's product (cpu_linear.route_linears: packed weights)
+
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
         self.cfg = c = cfg
@@ -173,7 +175,7 @@ class Eagle3Draft(nn.Module):
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., D] -> float32 logits over the draft vocabulary's rows (token ids: ``head_ids``)."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        return self.head_linear(hidden, self.lm_head.weight).float()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, D] -> float32 logits [R, V]: -inf (probability 0) at every token without a draft row."""

@@ -120,6 +120,8 @@ class Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
+    head_linear = staticmethod(F.linear)  # the head's product (cpu_linear.route_linears: packed weights)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -147,7 +149,7 @@ class CausalLM(nn.Module):
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., D] -> float32 logits over the head's own rows (V, or head_vocab for a reduced head)."""
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        return self.head_linear(hidden, w).float()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, D] -> float32 logits [R, V]; a reduced head gives -inf (probability 0) off its subset."""

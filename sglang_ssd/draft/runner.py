@@ -28,6 +28,7 @@ import torch
 
 from sglang_ssd.draft.attention import AttnSeq, BatchAttention
 from sglang_ssd.draft.cpu_dtype import cpu_auto_dtype
+from sglang_ssd.draft.cpu_linear import route_linears
 from sglang_ssd.draft.eagle3 import Eagle3Draft, load_draft
 from sglang_ssd.draft.features import FeatureBuffer, parents_of, split_extend
 from sglang_ssd.draft.flashinfer_attention import select_backend
@@ -93,6 +94,8 @@ class DraftRunner:
             self.cols = model.head_ids.to(self.device)
             self._col_of = torch.full((self.cfg.vocab_size,), -1, dtype=torch.long, device=self.device)
             self._col_of[self.cols] = torch.arange(self.cols.numel(), device=self.device)
+        # a CPU draft's linears on oneDNN-packed weights where measured faster (cpu_linear.py)
+        self.packed_linears = route_linears(model, self.dtype) if self.device.type == "cpu" else 0
         self.pool = self.workspace = self.graphs = None
         self.backend_fallback: Optional[str] = None  # why FlashInfer was selected but not kept
         self.backend = "sdpa"
@@ -153,6 +156,7 @@ class DraftRunner:
         g = self.graphs
         return {"attention_flashinfer": int(self.backend == "flashinfer"),
                 "attention_fallback": int(self.backend_fallback is not None),
+                "packed_linears": self.packed_linears,
                 "cuda_graphs": len(g.graphs) if g is not None else 0,
                 "cuda_graph_replays": g.replays if g is not None else 0,
                 "cuda_graph_mem_mb": g.startup_bytes / 2**20 if g is not None else 0.0}

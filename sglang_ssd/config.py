@@ -308,6 +308,17 @@ def env_number(name: str, default, env=None, cast=int):
     return value
 
 
+def env_flag(name: str, default: bool, env=None) -> bool:
+    """An on/off switch from environment variable ``name``: 1/true/on or 0/false/off (``default`` when
+    unset or blank); anything else raises a ValueError naming ``name``."""
+    raw = (os.environ if env is None else env).get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw not in ("0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
+    return raw in ("1", "true", "on")
+
+
 def load_env_config(env) -> dict:
     raw = env.get(ENV_VAR, "").strip()
     if not raw:

@@ -159,3 +159,54 @@ def test_a_new_session_with_a_smaller_k_forgets_the_old_width(runner):
     for j, b in keys:
         toks = e.cache.peek("a", j, b).tokens.tolist()
         assert len(toks) == 2 and toks == greedy_reference(runner, PROMPTS["r0"] + [b], 2)
+
+
+def test_fitted_fan_out_learns_from_short_verifies_and_plans_for_the_width(runner):
+    """fan_out_auto with width 1 (every speculation one draft long): the planner counts the rows (k = 0 a
+    rejection, k = 1 a censored accept: the estimator's cap), and the cache for a 1-draft verify is built
+    with the 1-draft plan over outcomes j = 0, 1 with the whole budget, not the K-plan's first entries."""
+    fan = [2, 2, 2, 2]
+    e = DraftEngine(runner, seed=5, build_chunk_tokens=0)
+    e.hello(Hello(PROTOCOL_VERSION, "w", K, "async", fan, V, [], fan, "neural", True))
+    e.fanout.planner.refresh_every = 6
+    e.prefill(Prefill(RIDS, list(PROMPTS.values()), [TEMPS[r] for r in RIDS]))
+    reply = _ask(e, 0, {r: (-1, BONUS[r]) for r in RIDS}, 1)
+    for rnd in range(1, 9):
+        e.build_cache()
+        for r in RIDS:  # the cache just built: the plan for a 1-draft verify of the row's source
+            st = e.requests[r]
+            want = e.fanout.schedule_for(st.last_hit, 1)
+            assert st.cache_fan == want and len(want) == 2 and sum(want) == sum(fan), (r, st.cache_fan)
+            assert {j for j, _ in e.cache.keys(r)} == {0, 1}
+        # r0 always accepts its draft (a hit on the all-accepted outcome when cached), the others reject
+        outcomes = {}
+        for i, r in enumerate(RIDS):
+            keys = e.cache.keys(r)
+            outcomes[r] = next((key for key in keys if key[0] == (1 if r == "r0" else 0)), keys[0])
+        reply = _ask(e, rnd, outcomes, 1)
+    assert e.fanout.planner.observations == 3 * 8  # every 1-draft row counted (they were skipped before)
+    a = e.fanout.planner.acceptance
+    assert a.counts["primary"].acc + a.counts["backup"].acc > 0 and a.counts["primary"].rej + a.counts["backup"].rej > 0
+
+
+def test_fan_out_by_width_off_restores_the_k_plan(runner, monkeypatch):
+    """SGLANG_SSD_FAN_OUT_BY_WIDTH=0 (the A/B switch): 1-draft rows are not fed to the fit and the build
+    takes the K-plan's F_0 and max(F_1..F_K); a bad value stops the engine at the Hello."""
+    from sglang_ssd.draft.fanout import BY_WIDTH_ENV
+
+    monkeypatch.setenv(BY_WIDTH_ENV, "0")
+    fan = [3, 2, 2, 1]
+    e = DraftEngine(runner, seed=5, build_chunk_tokens=0)
+    e.hello(Hello(PROTOCOL_VERSION, "w", K, "async", fan, V, [], fan, "neural", True))
+    e.prefill(Prefill(RIDS, list(PROMPTS.values()), [TEMPS[r] for r in RIDS]))
+    _ask(e, 0, {r: (-1, BONUS[r]) for r in RIDS}, 1)
+    for rnd in range(1, 4):
+        e.build_cache()
+        for r in RIDS:
+            p = e.session.fan_out if e.requests[r].last_hit else e.session.fan_out_miss
+            assert e.requests[r].cache_fan == [p[0], max(p[1:])]
+        _ask(e, rnd, {r: e.cache.keys(r)[0] for r in RIDS}, 1)
+    assert e.fanout.planner.observations == 0
+    monkeypatch.setenv(BY_WIDTH_ENV, "maybe")
+    with pytest.raises(ValueError, match=BY_WIDTH_ENV):
+        DraftEngine(runner, seed=5).hello(Hello(PROTOCOL_VERSION, "w", K, "async", fan, V, [], fan, "neural", True))

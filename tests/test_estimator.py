@@ -124,3 +124,24 @@ def test_planner_uses_priors_then_learns():
     for s in ("primary", "backup"):
         assert rep[s]["measured_hit_rate"] == pytest.approx(rep[s]["predicted_hit_rate"], abs=0.08)
     assert rep["observations"] == 6000
+
+
+def test_planner_plans_a_short_verify_over_its_own_outcomes_with_the_whole_budget():
+    """schedule_for(src, k < K): Theorem 12 with K = k (k + 1 outcomes), the same fit, the same budget;
+    k >= K is the ordinary schedule; a refresh re-plans the short ones too."""
+    planner = FanOutPlanner(budget=12, k=3, refresh_every=50)
+    for k in (1, 2):
+        for src in (True, False):
+            got = planner.schedule_for(src, k)
+            r, _ = planner.miss.fit(src)
+            assert got == geometric_fan_out(12, k, planner.acceptance.estimate(src), r)
+            assert len(got) == k + 1 and sum(got) == 12
+    assert planner.schedule_for(True, 3) == planner.schedule(True) and planner.schedule_for(False, 5) == planner.schedule(False)
+    with pytest.raises(ValueError):
+        planner.schedule_for(True, -1)
+    before = planner.schedule_for(True, 1)
+    for _ in range(50):  # every 1-draft verify accepted: a -> 1, so the "all accepted" outcome gets the budget
+        planner.observe(1, True, None, None, cap=1)
+    after = planner.schedule_for(True, 1)
+    assert after != before and after[1] > after[0] and sum(after) == 12
+    assert planner.acceptance.estimate(True) > 0.8

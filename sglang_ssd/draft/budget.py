@@ -16,8 +16,9 @@ SGLANG_SSD_BUILD_BUDGET=0 (always the full fan-outs).
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence
+
+from sglang_ssd.config import env_flag
 
 ENV = "SGLANG_SSD_BUILD_BUDGET"
 SHRINK, GROW, SLACK, MIN_SCALE = 0.8, 1.1, 0.7, 1 / 16
@@ -25,10 +26,7 @@ WINDOW_EMA = 0.2
 
 
 def enabled_by_env() -> bool:
-    raw = os.environ.get(ENV, "1").strip().lower()
-    if raw not in ("0", "1", "false", "true", "off", "on", ""):
-        raise ValueError(f"{ENV} must be 0 or 1, got {raw!r}")
-    return raw not in ("0", "false", "off")
+    return env_flag(ENV, True)
 
 
 class BuildBudget:

@@ -116,12 +116,11 @@ def build_cache(e: "DraftEngine", should_stop: Optional[Callable[[], bool]] = No
         return
 
     # (b) FORKS: top-fan[j] raw-logit tokens at glue row j, s_{j+1} excluded for j < d.  After a short
-    # speculation (d < K) the outcome j = d means "all d accepted": it gets the largest of fan[d..K].
+    # speculation (d < K) the outcomes are j = 0..d (j = d: "all d accepted"): engine.fan_plan.
     plans = []
     for (st, _), z in zip(pending, glue):
         d = len(st.last_spec)
-        fan = s.fan_out if st.last_hit else s.fan_out_miss
-        fan = list(fan[:d]) + [max(fan[d:])]
+        fan = e.fan_plan(d, st.last_hit)  # F_0..F_d for this verify's d + 1 outcomes
         fan = e.budget.fan(fan)  # scaled down while full builds do not fit the verify window (budget.py)
         fan = [min(f, e.runner.n_cols - (1 if j < d else 0)) for j, f in enumerate(fan)]
         if sum(fan) == 0:
@@ -136,7 +135,7 @@ def build_cache(e: "DraftEngine", should_stop: Optional[Callable[[], bool]] = No
 
     # (c) TREE: up to K depths, batched over all branches of all requests (chunked), polling between
     t1 = time.perf_counter()
-    results = _decode_tree(e, plans, k_spec, limit, stop)
+    results = _decode_tree(e, plans, k_spec, width, limit, stop)
 
     # (d) STORE: cache[(rid, j, guess)] = (tokens, q16), PAD from the first depth not reached
     for (st, forks, guesses, fan), (toks, q16, done) in zip(plans, results):
@@ -150,7 +149,7 @@ def build_cache(e: "DraftEngine", should_stop: Optional[Callable[[], bool]] = No
     _record(e, t0, t_glue, t_tree, cut_depth=reached if reached < full else None, stopped=reached < limit)
 
 
-def _decode_tree(e: "DraftEngine", plans, k_spec: int, limit: int, stop: Callable[[], bool]):
+def _decode_tree(e: "DraftEngine", plans, k_spec: int, width: int, limit: int, stop: Callable[[], bool]):
     """-> per plan (tokens [B, K] long, PAD-padded; q16 [B, K, W] over the runner's columns or None;
     depths done)."""
     if not plans:
@@ -162,7 +161,7 @@ def _decode_tree(e: "DraftEngine", plans, k_spec: int, limit: int, stop: Callabl
     q16s = [torch.zeros(len(g), k_spec, v, dtype=torch.float16, device=e.runner.device)
             if st.temperature > 0 else None for (st, _, g, _) in plans]
     done = [0] * len(plans)
-    fan = e.session.fan_out  # a cached speculation is a hit next round: its cache uses fan_out
+    fan = e.fan_plan(width, True)  # a cached speculation is a hit next round: its cache uses this plan
     chunks = _chunks(sizes, e.build_chunk_tokens)
     for d in range(limit):
         for c, chunk in enumerate(chunks):

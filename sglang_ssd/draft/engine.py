@@ -334,6 +334,18 @@ class DraftEngine:
                          q_rows=np.asarray(q_rows, dtype=np.int64), q=q, q_ids=q_ids, answer_ms=answer_ms,
                          backup_ms=backup_ms, fast_rows=len(missed) if kind != "neural" else 0, **built)
 
+    def fan_plan(self, d: int, from_cache: bool) -> list[int]:
+        """F_0..F_d: the guesses to cache at each outcome j = 0..d of a verify of d drafts, for a row whose
+        speculation came from the cache (from_cache) or the backup.  With the fitted fan-out a verify of
+        d < K drafts (batch-size-aware k, a short entry) gets its own Theorem-12 plan over its d + 1
+        outcomes with the whole budget; otherwise the session's schedule, outcome d ("all d accepted")
+        taking the largest of F_d..F_K."""
+        s = self.session
+        if self.fanout is not None and self.fanout.by_width and 0 < d < s.k:
+            return list(self.fanout.schedule_for(from_cache, d))
+        fan = s.fan_out if from_cache else s.fan_out_miss
+        return list(fan[:d]) + [max(fan[d:])]
+
     def _decode_backup(self, states: Sequence[RequestState], keep_logits: bool = True, steps: Optional[int] = None):
         """Just-in-time K-token decode (or the first `steps` tokens: the round's width) from each state's
         context, batched across rows.
@@ -346,7 +358,7 @@ class DraftEngine:
         cs = [st.saguaro_c for st in states]
         # a backup-drafted speculation is cached next round with fan_out_miss: s_{t+1} is down-weighted
         # on the top-F tokens that will be guessed as bonus if it is rejected (F = fan_out_miss[t])
-        fan_miss = self.session.fan_out_miss
+        fan_miss = self.fan_plan(self.session.k if self.width is None else self.width, False)
         toks = torch.zeros(m, k_spec, dtype=torch.long)
         raw = torch.zeros(m, k_spec, v, dtype=torch.float32, device=self.runner.device) if keep_logits else None
         q16 = None

@@ -13,29 +13,45 @@ from __future__ import annotations
 import logging
 from typing import Optional, Sequence
 
+from sglang_ssd.config import env_flag
 from sglang_ssd.draft.state import RequestState
 from sglang_ssd.saguaro.estimator import FanOutPlanner
 
 logger = logging.getLogger(__name__)
 
 
+BY_WIDTH_ENV = "SGLANG_SSD_FAN_OUT_BY_WIDTH"  # 0: the behaviour before it (for A/B runs): see LiveFanOut
+
+
 class LiveFanOut:
-    def __init__(self, budget: int, k: int, refresh_every: int = 64):
+    """by_width (default; SGLANG_SSD_FAN_OUT_BY_WIDTH=0 turns it off): rows of speculations shorter than K
+    (the worker's batch-size-aware k: at b >= 3 on the CPU pair every row) feed the fit, with their length
+    as the acceptance cap, and a verify of d < K drafts gets its own plan over its d + 1 outcomes
+    (``schedule_for``).  Off: those rows are skipped and a short verify takes the K-plan's first entries."""
+
+    def __init__(self, budget: int, k: int, refresh_every: int = 64, by_width: Optional[bool] = None):
         self.k = k
+        self.by_width = env_flag(BY_WIDTH_ENV, True) if by_width is None else by_width
         self.planner = FanOutPlanner(budget, k, refresh_every=refresh_every)
         self._seen = 0
 
     def schedules(self) -> tuple[list[int], list[int]]:
         return self.planner.schedules()
 
+    def schedule_for(self, from_cache: bool, k: int) -> list[int]:
+        return self.planner.schedule_for(from_cache, k)
+
     def observe(self, states: Sequence[RequestState], ks: Sequence[int], hits: Sequence[Optional[bool]]) -> bool:
         """One round's rows (before the states advance); True if the schedules changed."""
         before = self.schedules()
         for st, k, hit in zip(states, ks, hits):
-            if k < 0 or st.last_spec is None or len(st.last_spec) < self.k:
-                continue  # no speculation, or a short one (cut build, round 0): k is censored there
-            fan = st.cache_fan[k] if (hit is not None and st.cache_fan) else None
-            self.planner.observe(k, st.last_hit, None if fan is None else hit, fan)
+            if k < 0 or not st.last_spec or k > len(st.last_spec) or (len(st.last_spec) < self.k
+                                                                      and not self.by_width):
+                continue  # no speculation (round 0, a target-only round) or an outcome it cannot have had
+            # a speculation of m < K drafts (the worker verifying k < K at this batch size, a cut build):
+            # k < m is a rejection, k = m a censored run of accepts (the estimator's cap)
+            fan = st.cache_fan[k] if (hit is not None and st.cache_fan and k < len(st.cache_fan)) else None
+            self.planner.observe(k, st.last_hit, None if fan is None else hit, fan, cap=len(st.last_spec))
         changed = self.schedules() != before
         if changed:
             p, b = self.schedules()

@@ -193,6 +193,7 @@ class FanOutPlanner:
         self.miss = miss or MissRateEstimator()
         self.observations = 0
         self._since_refresh = 0
+        self._short: dict[tuple[bool, int], list[int]] = {}  # (from_cache, k < K) -> plan, until the next refresh
         self.refresh()
 
     def _plan(self, from_cache: bool) -> list[int]:
@@ -202,6 +203,7 @@ class FanOutPlanner:
     def refresh(self) -> None:
         self.fan_out_primary = self._plan(True)
         self.fan_out_backup = self._plan(False)
+        self._short = {}
         self._since_refresh = 0
         logger.debug("fan-out re-planned: primary %s backup %s", self.fan_out_primary, self.fan_out_backup)
 
@@ -211,6 +213,20 @@ class FanOutPlanner:
 
     def schedules(self) -> tuple[list[int], list[int]]:
         return self.fan_out_primary, self.fan_out_backup
+
+    def schedule_for(self, from_cache: bool, k: int) -> list[int]:
+        """The schedule for a verify of k drafts: F_0..F_k over its k + 1 outcomes with the whole budget
+        (the same fit of a and r, Theorem 12 with K = k); k >= K: ``schedule``.  A verify of fewer drafts
+        than K (the worker's batch-size-aware k) has fewer outcomes to cover, not a smaller budget."""
+        if k >= self.k:
+            return self.schedule(from_cache)
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        key = (bool(from_cache), int(k))
+        if key not in self._short:
+            r, _ = self.miss.fit(from_cache)
+            self._short[key] = geometric_fan_out(self.budget, k, self.acceptance.estimate(from_cache), r, self.f_max)
+        return self._short[key]
 
     def observe(self, k: int, from_cache: bool, hit: Optional[bool] = None,
                 fan_out_at_k: Optional[int] = None, cap: Optional[int] = None) -> None:

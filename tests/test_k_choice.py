@@ -46,6 +46,17 @@ def test_ties_go_to_the_smaller_k_and_the_table_is_the_formula():
         choose_k({2: 1.0}, 0.5, 0.0, 3)
 
 
+def test_a_cheaper_longer_chain_is_not_a_reason_for_a_larger_k():
+    """A measured dip (4 rows timing under 2, as oneDNN's packed product can within noise) does not pick a
+    larger K when the acceptance gives it nothing: costs for m >= 2 are the running max over 2..m."""
+    dip = {1: 10.0, 2: 6.0, 3: 6.1, 4: 5.5, 5: 7.0}
+    k, table = choose_k(dip, 0.01, 5.0, 4)
+    assert k == 1
+    assert math.isclose(table[3], expected_tokens(0.01, 3) * 15.0 / (5.0 + 6.1))  # t(4) taken as t(3)
+    assert math.isclose(table[1], expected_tokens(0.01, 1) * 15.0 / 11.0)  # the AR step keeps its own cost
+    assert choose_k(dip, 0.6, 5.0, 4)[0] == 3  # with real acceptance the flat stretch still pays
+
+
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 512}
 

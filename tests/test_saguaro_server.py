@@ -201,9 +201,9 @@ def test_async_with_cut_builds_equals_plain_sglang(target_path, draft_path, prom
 
 
 def test_auto_k_server_equals_plain_sglang(target_path, draft_path, prompts, reference, tmp_path):
-    """No --speculative-num-steps: the plugin measures and picks K at launch (alpha_prior 0.01 keeps it small,
-    unlike DEFAULT_K = 4: K = 1, or 2 when the 3-row product times cheaper than the 2-row one), and the
-    scheduler's K+1 slots and the worker's K must be that same K."""
+    """No --speculative-num-steps: the plugin measures and picks K at launch (alpha_prior 0.01: a larger K
+    adds < 1% expected tokens and a longer chain is never taken as cheaper than a shorter one, so K = 1,
+    unlike DEFAULT_K = 4), and the scheduler's K+1 slots and the worker's K must be that same K."""
     srv = _saguaro_server(target_path, draft_path, "async", tmp_path, k=None, alpha_prior=0.01)
     with srv:
         outs = _run_concurrent(srv, prompts[:8], {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True})
@@ -213,7 +213,7 @@ def test_auto_k_server_equals_plain_sglang(target_path, draft_path, prompts, ref
     for i, (o, ref) in enumerate(zip(outs, reference["greedy"][:8])):
         assert o["output_ids"] == ref, f"prompt {i} differs (auto K)"
     k = info["speculative_num_steps"]
-    assert k in (1, 2) and info["speculative_num_draft_tokens"] == k + 1, info
+    assert k == 1 and info["speculative_num_draft_tokens"] == k + 1, info
     assert stats["k"] == k and stats["rounds"] > 0 and stats["errors"] == 0, stats
     assert 1.0 < stats["accept_len"] <= k + 1, stats
 

@@ -32,12 +32,21 @@ def predicted_speedups(row_costs: dict[int, float], alpha: float, overhead: floa
     """K -> E(K) * t_step(1) / t_step(K + 1), t_step(m) = overhead + row_costs[m] (same unit: e.g. ms).
 
     ``row_costs[m]``: the measured part of a forward that grows with the rows (the linears); ``overhead``:
-    the per-step rest (attention at short context, norms, the engine's own work), taken as fixed."""
+    the per-step rest (attention at short context, norms, the engine's own work), taken as fixed.
+    For m >= 2 the cost is the largest measured over 2..m: a chain of more rows is never taken as cheaper
+    than a shorter one (on the same route the measured dips are timing noise, e.g. oneDNN's packed product
+    timing 2, 3 and 4 rows alike, and a K chosen on one would flip from run to run).  m = 1 stays as
+    measured: the AR step may run on another route than the verify and really cost more."""
     if 1 not in row_costs or row_costs[1] <= 0:
         raise ValueError("row_costs needs a positive cost for m = 1 (the AR step)")
     one = overhead + row_costs[1]
-    return {k: expected_tokens(alpha, k) * one / (overhead + row_costs[k + 1])
-            for k in range(1, k_max + 1) if (k + 1) in row_costs}
+    out, top = {}, 0.0
+    for k in range(1, k_max + 1):
+        if (k + 1) not in row_costs:
+            continue
+        top = max(top, row_costs[k + 1])
+        out[k] = expected_tokens(alpha, k) * one / (overhead + top)
+    return out
 
 
 def choose_k(row_costs: dict[int, float], alpha: float, overhead: float, k_max: int) -> tuple[int, dict[int, float]]:

@@ -356,8 +356,9 @@ class DraftEngine:
         m, v = len(states), self.runner.n_cols
         temps = [st.temperature for st in states]
         cs = [st.saguaro_c for st in states]
-        # a backup-drafted speculation is cached next round with fan_out_miss: s_{t+1} is down-weighted
-        # on the top-F tokens that will be guessed as bonus if it is rejected (F = fan_out_miss[t])
+        # a backup-drafted speculation is cached next round with the backup's plan for this round's width:
+        # s_{t+1} is down-weighted on the top-F tokens that will be guessed as bonus if it is rejected
+        # (F = fan_plan(width, False)[t])
         fan_miss = self.fan_plan(self.session.k if self.width is None else self.width, False)
         toks = torch.zeros(m, k_spec, dtype=torch.long)
         raw = torch.zeros(m, k_spec, v, dtype=torch.float32, device=self.runner.device) if keep_logits else None

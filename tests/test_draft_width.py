@@ -170,7 +170,7 @@ def test_fitted_fan_out_learns_from_short_verifies_and_plans_for_the_width(runne
     e.hello(Hello(PROTOCOL_VERSION, "w", K, "async", fan, V, [], fan, "neural", True))
     e.fanout.planner.refresh_every = 6
     e.prefill(Prefill(RIDS, list(PROMPTS.values()), [TEMPS[r] for r in RIDS]))
-    reply = _ask(e, 0, {r: (-1, BONUS[r]) for r in RIDS}, 1)
+    _ask(e, 0, {r: (-1, BONUS[r]) for r in RIDS}, 1)
     for rnd in range(1, 9):
         e.build_cache()
         for r in RIDS:  # the cache just built: the plan for a 1-draft verify of the row's source
@@ -180,10 +180,10 @@ def test_fitted_fan_out_learns_from_short_verifies_and_plans_for_the_width(runne
             assert {j for j, _ in e.cache.keys(r)} == {0, 1}
         # r0 always accepts its draft (a hit on the all-accepted outcome when cached), the others reject
         outcomes = {}
-        for i, r in enumerate(RIDS):
+        for r in RIDS:
             keys = e.cache.keys(r)
             outcomes[r] = next((key for key in keys if key[0] == (1 if r == "r0" else 0)), keys[0])
-        reply = _ask(e, rnd, outcomes, 1)
+        _ask(e, rnd, outcomes, 1)
     assert e.fanout.planner.observations == 3 * 8  # every 1-draft row counted (they were skipped before)
     a = e.fanout.planner.acceptance
     assert a.counts["primary"].acc + a.counts["backup"].acc > 0 and a.counts["primary"].rej + a.counts["backup"].rej > 0

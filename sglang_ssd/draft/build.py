@@ -84,7 +84,7 @@ def build_cache(e: "DraftEngine", should_stop: Optional[Callable[[], bool]] = No
     stop = should_stop or (lambda: False)
     s = e.session
     k_spec = s.k  # the KV / tree layout keeps K slots per branch; the worker verifies `width` of them
-    width = k_spec if e.width is None else min(e.width, k_spec)
+    width = e.round_width
     limit = width if e.max_build_depth is None else min(width, e.max_build_depth)
     t0 = time.perf_counter()
     for st, _ in pending:

@@ -334,6 +334,12 @@ class DraftEngine:
                          q_rows=np.asarray(q_rows, dtype=np.int64), q=q, q_ids=q_ids, answer_ms=answer_ms,
                          backup_ms=backup_ms, fast_rows=len(missed) if kind != "neural" else 0, **built)
 
+    @property
+    def round_width(self) -> int:
+        """Drafts per request the worker verifies this round (the last Speculate's width, else K)."""
+        k = self.session.k
+        return k if self.width is None else min(self.width, k)
+
     def fan_plan(self, d: int, from_cache: bool) -> list[int]:
         """F_0..F_d: the guesses to cache at each outcome j = 0..d of a verify of d drafts, for a row whose
         speculation came from the cache (from_cache) or the backup.  With the fitted fan-out a verify of
@@ -359,7 +365,7 @@ class DraftEngine:
         # a backup-drafted speculation is cached next round with the backup's plan for this round's width:
         # s_{t+1} is down-weighted on the top-F tokens that will be guessed as bonus if it is rejected
         # (F = fan_plan(width, False)[t])
-        fan_miss = self.fan_plan(self.session.k if self.width is None else self.width, False)
+        fan_miss = self.fan_plan(self.round_width, False)
         toks = torch.zeros(m, k_spec, dtype=torch.long)
         raw = torch.zeros(m, k_spec, v, dtype=torch.float32, device=self.runner.device) if keep_logits else None
         q16 = None

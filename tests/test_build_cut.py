@@ -195,3 +195,38 @@ def test_server_answers_a_speculate_that_arrives_mid_build_at_once(model_dir, mo
     finally:
         server.stop()
     assert not server._thread.is_alive()
+
+
+def test_the_reply_leaves_before_the_build_starts(model_dir, monkeypatch):
+    """send only queues a reply for ZeroMQ's I/O thread, which shares the draft's core: the server waits
+    until that thread has taken the reply (its tracker is done) before it starts the cache build, so the
+    target is not kept waiting by the build for a reply that was ready.  Every reply is tracked for real
+    (copy_threshold 0: a small frame is not copied, so its tracker is not the pre-finished stand-in)."""
+    runner = DraftRunner.from_dir(model_dir)
+    server = DraftServer(DraftEngine(runner, build_chunk_tokens=0), f"ipc:///tmp/sglang-ssd-test-{uuid.uuid4().hex}.sock")
+    sent, at_build = [], []
+    real_send, real_build = server._send, server.engine.build_cache
+
+    def send(ident, msg):
+        real_send(ident, msg)
+        sent.append((msg.TYPE, server._unflushed))
+
+    def build(should_stop=None):
+        at_build.append([(kind, t.done) for kind, t in sent[-1:]])
+        return real_build(should_stop)
+
+    monkeypatch.setattr(server, "_send", send)
+    monkeypatch.setattr(server.engine, "build_cache", build)
+    server.start_in_thread()
+    try:
+        with DraftClient(server.endpoint, timeout_s=30) as c:
+            c.hello(k=K, mode="async", fan_out=FAN, vocab_size=V)
+            c.prefill(["r0"], [PROMPTS["r0"]], [0.0])
+            c.speculate(0, ["r0"], [-1], [BONUS["r0"]], [0.0])
+            c.speculate(1, ["r0"], [0], [BONUS["r0"]], [0.0])
+            c.health()
+    finally:
+        server.stop()
+    assert server.sock.closed
+    assert all(t is not None and len(t.events) > 0 for _, t in sent), sent  # really tracked
+    assert at_build == [[("spec_reply", True)], [("spec_reply", True)]], at_build

@@ -26,6 +26,7 @@ from sglang_ssd.draft.runner import DraftRunner
 from sglang_ssd.protocol import (MAX_FRAME_BYTES, Ack, ErrorReply, Health, HealthReply, Hello, Message,
                                  Prefill, ProtocolError, Release, Shutdown, Speculate, decode, peek_req_id)
 
+FLUSH_WAIT_S = 0.005  # the most a cache build waits for the reply to leave (it takes ~0.1 ms)
 logger = logging.getLogger(__name__)
 
 # A draft serves ONE target: another target's Hello is refused while the owner has live requests and
@@ -46,6 +47,8 @@ class DraftServer:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + (1 << 20))
+        self.sock.copy_threshold = 0  # every reply zero-copy: its tracker then says when the I/O thread took it
+        self._unflushed: Optional[zmq.MessageTracker] = None  # the last reply sent, until _flush
         self.auth: Optional[ThreadAuthenticator] = None
         self.curve = curve_keys is not None
         self.endpoint = endpoint
@@ -146,6 +149,7 @@ class DraftServer:
         if isinstance(msg, Shutdown) and not isinstance(reply, ErrorReply):
             return False
         if self.engine.pending:  # ANSWER FIRST, then build the next round's cache (until a message waits)
+            self._flush()
             try:
                 self.engine.build_cache(self._message_waiting)
             except Exception:
@@ -220,9 +224,21 @@ class DraftServer:
 
     def _send(self, ident: bytes, msg: Message) -> None:
         try:
-            self.sock.send_multipart([ident, *msg.encode()], copy=False)
+            self._unflushed = self.sock.send_multipart([ident, *msg.encode()], copy=False, track=True)
         except (ProtocolError, zmq.ZMQError) as exc:
             logger.error("could not send %s: %s", msg.TYPE, exc)
+
+    def _flush(self) -> None:
+        """Wait (at most FLUSH_WAIT_S) until ZeroMQ's I/O thread has taken the reply just sent.  send only
+        queues it for that thread, which shares this process's core: a cache build started at once kept it
+        off the core for 2-5 ms per round on a CPU draft pinned to one core, the target waiting that long for
+        a reply that was ready (results/variants_reply_flush.md)."""
+        tracker, self._unflushed = self._unflushed, None
+        if tracker is not None and not tracker.done:
+            try:
+                tracker.wait(FLUSH_WAIT_S)
+            except zmq.NotDone:
+                logger.debug("reply not taken by the I/O thread within %.1f ms; building anyway", FLUSH_WAIT_S * 1e3)
 
     # ----------------------------------------------------------------------------- threading
     def start_in_thread(self) -> threading.Thread:

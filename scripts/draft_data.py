@@ -52,7 +52,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from sglang_ssd import paths  # noqa: E402
 from fast_generate import StaticBatchGenerator  # noqa: E402
-from prompts_train import train_prompts  # noqa: E402
+from prompts_train import diverse_texts, encode, train_prompts  # noqa: E402
 from sglang_ssd.draft.model import load_model  # noqa: E402
 
 log = logging.getLogger("draft_data")
@@ -66,6 +66,10 @@ GEN_TOKENS = 96
 GEN_PASSES = (1.0, 0.7, 0.0, 1.0, 0.7)
 # job pattern: one generation job (512 prompts, up to 49k positions) per four text jobs (4k positions)
 PATTERN = ("gen", "text", "text", "text", "text")
+# the diverse pool (--prompts diverse, prompts_train.diverse_texts): one pass, the temperature cycling per job,
+# job numbers from DIVERSE_JOB0 (its shards and exported answers never collide with the template pool's)
+DIVERSE_TEMPS = (1.0, 0.0, 0.7, 1.0)
+DIVERSE_JOB0 = 100000
 GEN_ASSETS = HERE.parent / "assets" / "gen"  # answers already committed as tokens only (export_gen)
 
 
@@ -175,7 +179,7 @@ def job_done(job: int, kind: str, out: Path, exported: Optional[Path]) -> bool:
 
 
 def run(minutes: float, seed: int, threads: int, kinds=("text", "gen"), part=(0, 1),
-        exported: Optional[Path] = GEN_ASSETS) -> None:
+        exported: Optional[Path] = GEN_ASSETS, pool: str = "templates") -> None:
     """Jobs in the fixed order; this process does job j when its kind is in ``kinds`` and j % n == i
     for part (i, n), so n processes (one per core) share the list without doing a job twice.  A job is
     not started when less time is left than the last job of its kind took (it would be killed unfinished
@@ -188,8 +192,9 @@ def run(minutes: float, seed: int, threads: int, kinds=("text", "gen"), part=(0,
     tok = AutoTokenizer.from_pretrained(tdir)
     target = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()  # text scoring
     gen = StaticBatchGenerator(load_model(tdir))  # the target's own answers, static KV (fast_generate.py)
-    windows = text_windows(tok, seed)
-    prompts = train_prompts(tok, seed)
+    diverse = pool == "diverse"
+    windows = [] if diverse else text_windows(tok, seed)
+    prompts = encode(tok, diverse_texts(tok, seed)) if diverse else train_prompts(tok, seed)
     log.info("job pool: %d text windows, %d generation prompts", len(windows), len(prompts))
     (out / "SOURCES.json").write_text(json.dumps({"seed": seed, "text_windows": len(windows),
                                                  "gen_prompts": len(prompts), "topk": TOPK}, indent=1))
@@ -197,21 +202,23 @@ def run(minutes: float, seed: int, threads: int, kinds=("text", "gen"), part=(0,
     ti = gi = job = 0
     t_start, pos_new = time.time(), 0
     last_s: dict[str, float] = {}  # duration of the last job of each kind
-    n_gen = len(prompts) * len(GEN_PASSES)  # answer slots: every prompt once per pass
+    n_gen = len(prompts) * (1 if diverse else len(GEN_PASSES))  # answer slots: every prompt once per pass
     while time.time() < deadline:
-        kind = PATTERN[job % len(PATTERN)]
-        path = out / f"shard_{job:05d}_{kind}.safetensors"
+        kind = "gen" if diverse else PATTERN[job % len(PATTERN)]
+        num = job + (DIVERSE_JOB0 if diverse else 0)  # the job's number in file names and seeds
+        path = out / f"shard_{num:05d}_{kind}.safetensors"
         if kind == "text":
             batch, ti = windows[ti:ti + TEXT_BATCH], ti + TEXT_BATCH
         else:  # a job stays inside one pass (one temperature)
             first = gi % len(prompts) if gi < n_gen else len(prompts)
             batch = prompts[first:first + GEN_BATCH]
-            temp = GEN_PASSES[min(gi // len(prompts), len(GEN_PASSES) - 1)]
+            temp = (DIVERSE_TEMPS[job % len(DIVERSE_TEMPS)] if diverse
+                    else GEN_PASSES[min(gi // len(prompts), len(GEN_PASSES) - 1)])
             gi += len(batch)
         if not batch and kind in kinds:
             log.info("%s pool exhausted", kind)
             break
-        if batch and kind in kinds and job % part[1] == part[0] and not job_done(job, kind, out, exported):
+        if batch and kind in kinds and job % part[1] == part[0] and not job_done(num, kind, out, exported):
             if deadline - time.time() < last_s.get(kind, 0.0):
                 log.info("%.1f min left, the last %s job took %.1f: stopping before job %d", (deadline - time.time()) / 60,
                          kind, last_s[kind] / 60, job)
@@ -220,14 +227,14 @@ def run(minutes: float, seed: int, threads: int, kinds=("text", "gen"), part=(0,
             if kind == "text":
                 shard = score_text(target, batch)
             else:
-                shard = generate(gen, tok, batch, temp, seed * 100003 + job)
+                shard = generate(gen, tok, batch, temp, seed * 100003 + num)
             tmp = path.with_suffix(".tmp")
             save_file(shard, str(tmp))
             os.replace(tmp, path)
             last_s[kind] = time.time() - t_job
             pos_new += shard["label_pos"].numel()
             el = time.time() - t_start
-            sys.stderr.write(f"\rjob {job} ({kind}) +{pos_new} positions, {pos_new / el:.0f} pos/s, "
+            sys.stderr.write(f"\rjob {num} ({kind}) +{pos_new} positions, {pos_new / el:.0f} pos/s, "
                              f"{(deadline - time.time()) / 60:.1f} min left   ")
             sys.stderr.flush()
         job += 1
@@ -349,6 +356,9 @@ def main(argv=None) -> int:
     ap.add_argument("--import-gen", type=Path, help="label the tokens-only answers in this directory again")
     ap.add_argument("--hard", action="store_true",
                     help="with --import-gen: the generated tokens as labels (no target forward; see hard_label)")
+    ap.add_argument("--prompts", choices=("templates", "diverse"), default="templates",
+                    help="generation prompts: the template pool (prompts_train.train_texts) or the diverse one "
+                         "(diverse_texts: vocabulary words and stdlib docstrings in the slots)")
     ap.add_argument("--skip-exported", type=Path, default=GEN_ASSETS,
                     help="generation jobs whose answers are exported here count as done (default assets/gen)")
     args = ap.parse_args(argv)
@@ -372,7 +382,7 @@ def main(argv=None) -> int:
         log.info("labelled %d generated positions", import_gen(args.import_gen, args.threads, (i, n),
                                                                        hard=args.hard))
         return 0
-    run(args.minutes, args.seed, args.threads, tuple(args.kinds.split(",")), (i, n), args.skip_exported)
+    run(args.minutes, args.seed, args.threads, tuple(args.kinds.split(",")), (i, n), args.skip_exported, args.prompts)
     return 0
 
 

@@ -6,6 +6,7 @@ of scripts/prompts_heldout.json is dropped, so the held-out measurement stays ho
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from pathlib import Path
@@ -114,8 +115,123 @@ def train_texts(seed: int, n: int = 6000) -> list[tuple[str, bool]]:
 
 def train_prompts(tok, seed: int, n: int = 6000) -> list[list[int]]:
     """train_texts as token ids (chat prompts through the chat template)."""
+    return encode(tok, train_texts(seed, n))
+
+
+# ------------------------------------------------------------------------------------------- diverse pool
+# The template pool above has a few hundred distinct prompts (24 factual openings, 14 functions, ...): five
+# passes over it gave the 2M positions of assets/gen, and the held-out alpha stayed flat while the in-pool loss
+# fell (results/draft_finetune5.md).  The diverse pool draws its slots from much larger lists that are on every
+# machine: whole-word tokens of the target's own vocabulary (topics, names) and the Python standard library's
+# documented functions and classes (code prompts in the held-out style: signature + docstring).
+CHAT2 = CHAT + ["What is {word}?", "Tell me something interesting about {word}.", "Explain how {word} works.",
+                "Write a short {form} about {word}.", "What are the pros and cons of {word}?",
+                "How would you describe {word} to a child?", "Give me {n} ideas related to {word}.",
+                "What should I know before I start with {word}?", "Why do people care about {word}?",
+                "Is {word} good or bad? Explain briefly.", "Write a haiku about {word}.",
+                "How do I get better at {activity}?", "Compare {word} and {word2} in a few sentences.",
+                "What is the history of {name}?", "Where is {name} and what is it known for?"]
+FACT2 = ["{Name} is", "{Name} was", "{Name} is known for", "The history of {name} began", "In {name},",
+         "The word \"{word}\" means", "A {word} is", "Most people think of {word} as", "{Name} became famous"]
+
+
+def vocab_words(tok) -> tuple[list[str], list[str]]:
+    """(lower-case words, capitalised names): whole-word tokens of the tokenizer's vocabulary, >= 5 letters."""
+    low, cap = set(), set()
+    for piece in tok.get_vocab():
+        if not piece.startswith("\u0120"):  # byte-level BPE: a leading space
+            continue
+        w = piece[1:]
+        if len(w) >= 5 and w.isascii() and w.isalpha():
+            (low if w.islower() else cap if w[0].isupper() and w[1:].islower() else set()).add(w)
+    return sorted(low), sorted(cap)
+
+
+@functools.lru_cache(maxsize=2)
+def stdlib_defs(limit: int = 20000) -> list[tuple[str, str, str]]:
+    """(kind, signature, first docstring line) of documented top-level functions / classes in the stdlib."""
+    import ast
+    import sysconfig
     out = []
-    for text, chat in train_texts(seed, n):
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for f in sorted(root.glob("*.py")) + sorted(root.glob("*/*.py")):
+        if "test" in f.parts[-2:][0] or f.name.startswith("test"):
+            continue
+        try:
+            tree = ast.parse(f.read_text(encoding="utf-8", errors="replace"))
+        except (SyntaxError, ValueError):
+            continue
+        for node in tree.body:
+            doc = ast.get_docstring(node) if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else None
+            if not doc or node.name.startswith("_"):
+                continue
+            line = doc.strip().splitlines()[0].strip()
+            if not 10 <= len(line) <= 100:
+                continue
+            if isinstance(node, ast.FunctionDef):
+                args = ", ".join(a.arg for a in node.args.args)
+                out.append(("def", f"def {node.name}({args}):", line))
+            else:
+                out.append(("class", f"class {node.name}:", line))
+            if len(out) >= limit:
+                return out
+    return out
+
+
+def _math2(rng: random.Random) -> str:
+    a, b, c = rng.randint(2, 99), rng.randint(2, 60), rng.randint(2, 12)
+    item, name = rng.choice(ITEMS + ["eggs", "bottles", "chairs", "coins", "cards", "shirts"]), rng.choice(
+        ["Tom", "Anna", "Ravi", "Mei", "Lucas", "Sara", "Omar", "Julia"])
+    forms = [f"Question: {name} has {a} {item}. {name} gives {c} to each of {b % 5 + 2} friends. How many are left?\nAnswer:",
+             f"Question: What is {a} + {b} * {c}?\nAnswer:", f"Question: What is {a * c} divided by {c}?\nAnswer:",
+             f"Solve for x: {c}x - {b} = {c * a - b}.\nSolution:", f"The sum of the first {a} positive integers is",
+             f"Question: A train travels {a * c} km in {c} hours. What is its average speed in km/h?\nAnswer:",
+             f"Question: Convert {a} kilometres to metres.\nAnswer:", f"Question: What is {a}% of {b * 10}?\nAnswer:",
+             f"Question: A rectangle is {a} cm long and {b} cm wide. What is its perimeter?\nAnswer:",
+             f"Question: {name} reads {c} pages a day. How many pages in {b} days?\nAnswer:",
+             f"Question: What is the average of {a}, {b} and {c}?\nAnswer:", f"{a} times {c} equals",
+             f"Question: If {c} {item} cost ${a}, how much do {c * 3} {item} cost?\nAnswer:"]
+    return rng.choice(forms)
+
+
+def diverse_texts(tok, seed: int, n: int = 20000) -> list[tuple[str, bool]]:
+    """n (text, is_chat) prompts of the four kinds (chat 40%, code 25%, math 20%, factual 15%) with slots drawn
+    from vocab_words and stdlib_defs; none contains (or is contained in) a held-out prompt."""
+    held = [p["text"] for p in json.loads(HELDOUT.read_text())["prompts"]]
+    low, cap = vocab_words(tok)
+    defs = stdlib_defs()
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        r = rng.random()
+        w, w2, name = rng.choice(low), rng.choice(low), rng.choice(cap)
+        if r < 0.40:
+            a, b = rng.choice(PAIRS)
+            text, chat = rng.choice(CHAT2).format(
+                topic=rng.choice(TOPICS + low), n=rng.choice([3, 4, 5]), activity=rng.choice(ACTIVITIES),
+                form=rng.choice(FORMS), subject=rng.choice(SUBJECTS + low), task=rng.choice(TASKS), a=a, b=b,
+                country=rng.choice(COUNTRIES + cap), word=w, word2=w2, name=name), True
+        elif r < 0.65:
+            kind, sig, doc = rng.choice(defs)
+            if kind == "class":
+                text = f'{sig}\n    """{doc}"""\n\n    def __init__(self'
+            else:
+                text = f'{sig}\n    """{doc}"""\n' if rng.random() < 0.6 else f"# {doc}\n{sig}\n"
+            chat = False
+        elif r < 0.85:
+            text, chat = _math2(rng), False
+        else:
+            text, chat = rng.choice(FACT2).format(Name=name, name=name, word=w), False
+        if any(h in text or text in h for h in held):
+            continue
+        out.append((text, chat))
+    return out
+
+
+def encode(tok, texts: list[tuple[str, bool]]) -> list[list[int]]:
+    """(text, is_chat) -> token ids (chat prompts through the chat template)."""
+    out = []
+    for text, chat in texts:
         if chat:
             ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                           tokenize=True)

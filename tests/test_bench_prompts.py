@@ -54,3 +54,26 @@ def test_bench_cells_use_recorded_prompt_subsets():
         kinds = {p["kind"] for c in cells if c["tier"] == 3 and c["k"] == k and c["temperature"] == 0.0
                  for p in cell_prompts(order, c)}
         assert kinds == {"chat", "code", "factual", "math"}
+
+
+def test_diverse_pool_is_broad_deterministic_and_held_out():
+    """The diverse generation pool (draft_data --prompts diverse): the four kinds in about the template pool's
+    shares, far more distinct prompts than the template pool, the same list for the same seed, and no prompt
+    overlapping a benchmark or held-out prompt."""
+    from transformers import AutoTokenizer
+
+    from prompts_train import diverse_texts
+    from sglang_ssd import paths
+
+    tok = AutoTokenizer.from_pretrained(paths.target_path())
+    pool = diverse_texts(tok, 0, n=4000)
+    assert pool == diverse_texts(tok, 0, n=4000) and pool != diverse_texts(tok, 1, n=4000)
+    texts = [t for t, _ in pool]
+    assert len(set(texts)) > 3000 > len({t for t, _ in train_texts(0, n=4000)})
+    code = sum(t.startswith(("def ", "class ", "# ")) for t in texts)
+    math = sum("Answer:" in t or "Solution:" in t or t.endswith(("is", "equals")) and t[0].isdigit() for t in texts)
+    chat = sum(c for _, c in pool)
+    assert 0.35 < chat / len(pool) < 0.45 and 0.2 < code / len(pool) < 0.3 and 0.15 < math / len(pool) < 0.25
+    for p in BENCH:
+        text = p["text"].strip()
+        assert not any(text in t or t.strip() in text for t in texts), p["text"]

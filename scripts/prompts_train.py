@@ -200,6 +200,7 @@ def diverse_texts(tok, seed: int, n: int = 20000) -> list[tuple[str, bool]]:
     held = [p["text"] for p in json.loads(HELDOUT.read_text())["prompts"]]
     low, cap = vocab_words(tok)
     defs = stdlib_defs()
+    topics, subjects, countries = TOPICS + low, SUBJECTS + low, COUNTRIES + cap  # the slots' lists, made once
     rng = random.Random(seed)
     out = []
     while len(out) < n:
@@ -208,9 +209,9 @@ def diverse_texts(tok, seed: int, n: int = 20000) -> list[tuple[str, bool]]:
         if r < 0.40:
             a, b = rng.choice(PAIRS)
             text, chat = rng.choice(CHAT2).format(
-                topic=rng.choice(TOPICS + low), n=rng.choice([3, 4, 5]), activity=rng.choice(ACTIVITIES),
-                form=rng.choice(FORMS), subject=rng.choice(SUBJECTS + low), task=rng.choice(TASKS), a=a, b=b,
-                country=rng.choice(COUNTRIES + cap), word=w, word2=w2, name=name), True
+                topic=rng.choice(topics), n=rng.choice([3, 4, 5]), activity=rng.choice(ACTIVITIES),
+                form=rng.choice(FORMS), subject=rng.choice(subjects), task=rng.choice(TASKS), a=a, b=b,
+                country=rng.choice(countries), word=w, word2=w2, name=name), True
         elif r < 0.65:
             kind, sig, doc = rng.choice(defs)
             if kind == "class":

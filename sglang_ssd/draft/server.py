@@ -232,7 +232,7 @@ class DraftServer:
         """Wait (at most FLUSH_WAIT_S) until ZeroMQ's I/O thread has taken the reply just sent.  send only
         queues it for that thread, which shares this process's core: a cache build started at once kept it
         off the core for 2-5 ms per round on a CPU draft pinned to one core, the target waiting that long for
-        a reply that was ready (results/variants_reply_flush.md)."""
+        a reply that was ready (results/variants_headline_flush_zen5.md)."""
         tracker, self._unflushed = self._unflushed, None
         if tracker is not None and not tracker.done:
             try:

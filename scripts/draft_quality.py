@@ -190,7 +190,7 @@ def evaluate(name: str, model: CausalLM, info: dict, ref: dict, c_t: dict) -> di
 
 
 def write_md(res: dict, path: Path) -> None:
-    L = ["# Draft candidates ranked by predicted SSD speed (issue 4)", "",
+    L = ["# Draft candidates ranked by predicted SSD speed (issues 4 and 15)", "",
          f"Machine: {res['machine']}. Target costs (fp32, 1 thread): {res['target_cost_ms']}.",
          "Held-out: 20 prompts (5 chat, 5 code, 5 factual, 5 math) x 64 target-greedy tokens. Predictions use the",
          "paper's formula with these measured inputs (see scripts/draft_quality.py); RPC/scheduler overheads ignored.",

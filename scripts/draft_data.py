@@ -52,7 +52,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from sglang_ssd import paths  # noqa: E402
 from fast_generate import StaticBatchGenerator  # noqa: E402
-from prompts_train import diverse_texts, encode, train_prompts  # noqa: E402
+from prompts_train import diverse2_texts, diverse_texts, encode, train_prompts  # noqa: E402
 from sglang_ssd.draft.model import load_model  # noqa: E402
 
 log = logging.getLogger("draft_data")
@@ -70,6 +70,7 @@ PATTERN = ("gen", "text", "text", "text", "text")
 # job numbers from DIVERSE_JOB0 (its shards and exported answers never collide with the template pool's)
 DIVERSE_TEMPS = (1.0, 0.0, 0.7, 1.0)
 DIVERSE_JOB0 = 100000
+DIVERSE2_JOB0 = 200000  # the second diverse pool (--prompts diverse2, prompts_train.diverse2_texts)
 GEN_ASSETS = HERE.parent / "assets" / "gen"  # answers already committed as tokens only (export_gen)
 
 
@@ -192,9 +193,10 @@ def run(minutes: float, seed: int, threads: int, kinds=("text", "gen"), part=(0,
     tok = AutoTokenizer.from_pretrained(tdir)
     target = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()  # text scoring
     gen = StaticBatchGenerator(load_model(tdir))  # the target's own answers, static KV (fast_generate.py)
-    diverse = pool == "diverse"
+    diverse = pool.startswith("diverse")
     windows = [] if diverse else text_windows(tok, seed)
-    prompts = encode(tok, diverse_texts(tok, seed)) if diverse else train_prompts(tok, seed)
+    prompts = (encode(tok, diverse_texts(tok, seed)) if pool == "diverse" else
+               encode(tok, diverse2_texts(tok, seed)) if pool == "diverse2" else train_prompts(tok, seed))
     log.info("job pool: %d text windows, %d generation prompts", len(windows), len(prompts))
     (out / "SOURCES.json").write_text(json.dumps({"seed": seed, "text_windows": len(windows),
                                                  "gen_prompts": len(prompts), "topk": TOPK}, indent=1))
@@ -205,7 +207,7 @@ def run(minutes: float, seed: int, threads: int, kinds=("text", "gen"), part=(0,
     n_gen = len(prompts) * (1 if diverse else len(GEN_PASSES))  # answer slots: every prompt once per pass
     while time.time() < deadline:
         kind = "gen" if diverse else PATTERN[job % len(PATTERN)]
-        num = job + (DIVERSE_JOB0 if diverse else 0)  # the job's number in file names and seeds
+        num = job + {"diverse": DIVERSE_JOB0, "diverse2": DIVERSE2_JOB0}.get(pool, 0)  # the job's number in file names and seeds
         path = out / f"shard_{num:05d}_{kind}.safetensors"
         if kind == "text":
             batch, ti = windows[ti:ti + TEXT_BATCH], ti + TEXT_BATCH
@@ -356,9 +358,10 @@ def main(argv=None) -> int:
     ap.add_argument("--import-gen", type=Path, help="label the tokens-only answers in this directory again")
     ap.add_argument("--hard", action="store_true",
                     help="with --import-gen: the generated tokens as labels (no target forward; see hard_label)")
-    ap.add_argument("--prompts", choices=("templates", "diverse"), default="templates",
-                    help="generation prompts: the template pool (prompts_train.train_texts) or the diverse one "
-                         "(diverse_texts: vocabulary words and stdlib docstrings in the slots)")
+    ap.add_argument("--prompts", choices=("templates", "diverse", "diverse2"), default="templates",
+                    help="generation prompts: the template pool (prompts_train.train_texts), the diverse one "
+                         "(diverse_texts: vocabulary words and stdlib docstrings in the slots) or the second "
+                         "diverse one (diverse2_texts: held-out-style questions, stdlib methods)")
     ap.add_argument("--skip-exported", type=Path, default=GEN_ASSETS,
                     help="generation jobs whose answers are exported here count as done (default assets/gen)")
     args = ap.parse_args(argv)

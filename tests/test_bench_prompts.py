@@ -77,3 +77,29 @@ def test_diverse_pool_is_broad_deterministic_and_held_out():
     for p in BENCH:
         text = p["text"].strip()
         assert not any(text in t or t.strip() in text for t in texts), p["text"]
+
+
+def test_second_diverse_pool_is_new_distinct_and_held_out():
+    """The second diverse pool (draft_data --prompts diverse2): every prompt once, under 3% repeating the first diverse
+    pool, all four kinds among its first prompts with chat the largest share, deterministic per seed, and no
+    prompt overlapping a benchmark or held-out prompt."""
+    from transformers import AutoTokenizer
+
+    from prompts_train import diverse2_texts, diverse_texts
+    from sglang_ssd import paths
+
+    tok = AutoTokenizer.from_pretrained(paths.target_path())
+    pool = diverse2_texts(tok, 0, n=4000)
+    assert pool == diverse2_texts(tok, 0, n=4000) and pool != diverse2_texts(tok, 1, n=4000)
+    texts = [t for t, _ in pool]
+    assert len(set(texts)) == len(texts)
+    # a few repeat the first pool's (math forms drawing the same numbers, the template tasks of "How do I {task}?")
+    assert len(set(texts) & {t for t, _ in diverse_texts(tok, 0, n=20000)}) < 0.03 * len(texts)
+    code = sum("def " in t for t in texts)
+    math = sum("Answer:" in t or "Solution:" in t or t.endswith(("is", "equals")) and t[0].isdigit() for t in texts)
+    chat = sum(c for _, c in pool)
+    fact = len(pool) - code - math - chat
+    assert chat / len(pool) > 0.35 and min(code, math, fact) / len(pool) > 0.1, (chat, code, math, fact)
+    for p in BENCH:  # the held-out prompts lead each kind of BENCH
+        text = p["text"].strip()
+        assert not any(text in t or t.strip() in text for t in texts), p["text"]

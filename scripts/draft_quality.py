@@ -219,6 +219,29 @@ def write_md(res: dict, path: Path) -> None:
     path.write_text("\n".join(L) + "\n")
 
 
+def training_record(model_dir: Path) -> dict:
+    """A prepared draft's training minutes, positions seen and curve: from the draft.json (+ curve.json) its
+    weights were assembled from (assets/draft when PREPARED.json's asset_sha256 is that file's; a draft.json in the dir
+    itself otherwise); {} for a draft without one (the lens draft)."""
+    rec = model_dir / "draft.json"
+    try:
+        marker = json.loads((model_dir / "PREPARED.json").read_text())
+    except (OSError, ValueError):
+        marker = {}
+    asset = HERE.parent / "assets" / "draft"
+    if marker.get("asset_sha256") and (asset / "draft.safetensors").exists():
+        import hashlib
+        if hashlib.sha256((asset / "draft.safetensors").read_bytes()).hexdigest() == marker["asset_sha256"]:
+            rec = asset / "draft.json"
+    if not rec.exists():
+        return {}
+    d = json.loads(rec.read_text())
+    out = {k: d[k] for k in ("train_minutes", "positions_seen") if k in d}
+    if rec.with_name("curve.json").exists():  # held-out alpha over the training run (train_draft.py)
+        out["curve"] = json.loads(rec.with_name("curve.json").read_text())
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", action="append", default=[], help="train_draft.py run dir (repeatable)")
@@ -239,7 +262,7 @@ def main(argv=None) -> int:
         res["candidates"].append(evaluate(Path(rd).name, m, info, ref, c_t))
     for md in args.model:
         m = load_model(md)
-        info = {"layers": m.cfg.num_layers, "head_vocab": m.cfg.head_vocab}
+        info = {"layers": m.cfg.num_layers, "head_vocab": m.cfg.head_vocab, **training_record(Path(md))}
         res["candidates"].append(evaluate(Path(md).name, m, info, ref, c_t))
     try:
         from draft_data import load_shards

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from draft_quality import predict, rounds_greedy, rounds_sampled  # noqa: E402
+from draft_quality import predict, rounds_greedy, rounds_sampled, training_record  # noqa: E402
 
 V = 6
 
@@ -43,3 +43,21 @@ def test_prediction_formula():
     # SD: 2 tokens per 3*10 + 150 ms; SSD: 0.5 * max(150, 12 + 3*20) + 0.5 * (150 + 30)
     assert abs(r["sd_tok_s"] - 2000 / 180) < 0.01 and abs(r["ssd_tok_s"] - 2000 / 165) < 0.01
     assert abs(r["T_p"] - 72 / 150) < 1e-3 and r["ar_tok_s"] == 10.0
+
+
+def test_training_record_of_a_prepared_draft(tmp_path):
+    """A prepared dir names its training run by its draft.json (+ curve.json); none -> {} (not 0 minutes)."""
+    import json
+
+    assert training_record(tmp_path) == {}
+    (tmp_path / "draft.json").write_text(json.dumps({"train_minutes": 36.0, "positions_seen": 123, "layers": 2}))
+    (tmp_path / "curve.json").write_text(json.dumps([{"positions": 0, "minutes": 0.0}]))
+    assert training_record(tmp_path) == {"train_minutes": 36.0, "positions_seen": 123,
+                                         "curve": [{"positions": 0, "minutes": 0.0}]}
+    # a dir assembled from assets/draft (PREPARED.json's asset_sha256) reads the committed record instead
+    import hashlib
+    asset = Path(__file__).resolve().parent.parent / "assets" / "draft"
+    sha = hashlib.sha256((asset / "draft.safetensors").read_bytes()).hexdigest()
+    (tmp_path / "PREPARED.json").write_text(json.dumps({"asset_sha256": sha}))
+    assert training_record(tmp_path)["train_minutes"] == json.loads((asset / "draft.json").read_text())["train_minutes"]
+    assert len(training_record(tmp_path)["curve"]) == len(json.loads((asset / "curve.json").read_text()))

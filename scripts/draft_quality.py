@@ -200,8 +200,8 @@ def write_md(res: dict, path: Path) -> None:
     for r in res["candidates"]:
         a, b, b1 = r["alpha"]["all"], r["best_t0"], r["best_t1"]
         cov = f"{a.get('coverage_greedy', 1.0):.3f} / {a.get('coverage_t1', 1.0):.3f}"
-        L.append(f"| {r['name']} | {r.get('layers', '')} | {r.get('head_vocab') or 'full'} | {r.get('train_minutes', 0)} | "
-                 f"{r.get('positions_seen', 0)} | {a['alpha_greedy']:.3f} | {a['alpha_t1']:.3f} | {cov} | "
+        L.append(f"| {r['name']} | {r.get('layers', '')} | {r.get('head_vocab') or 'full'} | {r.get('train_minutes', '-')} | "
+                 f"{r.get('positions_seen', '-')} | {a['alpha_greedy']:.3f} | {a['alpha_t1']:.3f} | {cov} | "
                  f"{r['cost_ratio']:.3f} | {b['K']},{b['F']} | {b['E']:.2f} | {b['p_hit']:.2f} | {b['T_p']:.2f} | "
                  f"{b['sd_over_ar']:.2f} | {b['ssd_over_ar']:.2f} | {b['ssd_over_sd']:.2f} | "
                  f"{b1['ssd_over_ar']:.2f} | {b1['ssd_over_sd']:.2f} |")

@@ -15,7 +15,7 @@ import zmq
 
 from sglang_ssd.draft.client import DraftClient, DraftError, DraftTimeout
 from sglang_ssd.draft.endpoint import normalize_endpoint, remove_ipc_file
-from sglang_ssd.draft.server import DraftServer
+from sglang_ssd.draft.server import SHUTDOWN_LINGER_MS, DraftServer
 from sglang_ssd.protocol import PROTOCOL_VERSION, Health, HealthReply, Speculate, decode
 from tests.draft_helpers import FAN, K, PROMPTS, REPO, V, check_q
 from tests.draft_helpers import model_dir, runner  # noqa: F401  (fixtures)
@@ -103,10 +103,15 @@ def test_endpoints_default_to_private_ipc_and_loopback_tcp(model_dir):
     server = DraftServer.from_model_dir(model_dir, "tcp")
     assert server.endpoint.startswith("tcp://127.0.0.1:")
     server.start_in_thread()
+    closed_with = []
+    sock_close = server.sock.close
+    server.sock.close = lambda linger=None: (closed_with.append(linger), sock_close(linger))[1]
     with DraftClient(server.endpoint, timeout_s=20) as client:
         assert client.health()["live_requests"] == 0
         client.shutdown()
     server._thread.join(10)
+    # the Shutdown's Ack is the last reply: the socket must not drop it (linger 0 did, on a loaded machine)
+    assert closed_with == [SHUTDOWN_LINGER_MS] and SHUTDOWN_LINGER_MS > 0
 
 
 # ---------------------------------------------------------------------------------------------

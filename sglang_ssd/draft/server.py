@@ -27,6 +27,9 @@ from sglang_ssd.protocol import (MAX_FRAME_BYTES, Ack, ErrorReply, Health, Healt
                                  Prefill, ProtocolError, Release, Shutdown, Speculate, decode, peek_req_id)
 
 FLUSH_WAIT_S = 0.005  # the most a cache build waits for the reply to leave (it takes ~0.1 ms)
+# a Shutdown's Ack is the last reply: the socket closes with this linger, not 0, so a loaded machine's I/O thread
+# still sends it (with 0 the Ack could be dropped and the worker waited its full timeout for it)
+SHUTDOWN_LINGER_MS = 2000
 logger = logging.getLogger(__name__)
 
 # A draft serves ONE target: another target's Hello is refused while the owner has live requests and
@@ -46,6 +49,7 @@ class DraftServer:
         self.ctx = zmq.Context() if self._own_ctx else (context or zmq.Context.instance())
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self._close_linger_ms = 0  # SHUTDOWN_LINGER_MS once a Shutdown is answered
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + (1 << 20))
         self.sock.copy_threshold = 0  # every reply zero-copy: its tracker then says when the I/O thread took it
         self._unflushed: Optional[zmq.MessageTracker] = None  # the last reply sent, until _flush
@@ -106,7 +110,7 @@ class DraftServer:
         """Close the socket, stop the ZAP authenticator with it, and free what this server owns.
         Idempotent; call from the thread that serves (or when it never served)."""
         if not self.sock.closed:
-            self.sock.close(0)
+            self.sock.close(self._close_linger_ms)
         if self.auth is not None:
             self.auth.stop()
             self.auth = None
@@ -147,6 +151,7 @@ class DraftServer:
         self._send(ident, reply)
         logger.debug("%s handled in %.2f ms", msg.TYPE, (time.perf_counter() - t0) * 1e3)
         if isinstance(msg, Shutdown) and not isinstance(reply, ErrorReply):
+            self._close_linger_ms = SHUTDOWN_LINGER_MS  # the Ack leaves before the socket is gone
             return False
         if self.engine.pending:  # ANSWER FIRST, then build the next round's cache (until a message waits)
             self._flush()

@@ -52,7 +52,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from sglang_ssd import paths  # noqa: E402
 from fast_generate import StaticBatchGenerator  # noqa: E402
-from prompts_train import diverse2_texts, diverse_texts, encode, train_prompts  # noqa: E402
+from prompts_diverse import diverse2_texts, diverse3_texts, diverse_texts  # noqa: E402
+from prompts_train import encode, train_prompts  # noqa: E402
 from sglang_ssd.draft.model import load_model  # noqa: E402
 
 log = logging.getLogger("draft_data")
@@ -66,11 +67,14 @@ GEN_TOKENS = 96
 GEN_PASSES = (1.0, 0.7, 0.0, 1.0, 0.7)
 # job pattern: one generation job (512 prompts, up to 49k positions) per four text jobs (4k positions)
 PATTERN = ("gen", "text", "text", "text", "text")
-# the diverse pool (--prompts diverse, prompts_train.diverse_texts): one pass, the temperature cycling per job,
+# the diverse pool (--prompts diverse, prompts_diverse.diverse_texts): one pass, the temperature cycling per job,
 # job numbers from DIVERSE_JOB0 (its shards and exported answers never collide with the template pool's)
 DIVERSE_TEMPS = (1.0, 0.0, 0.7, 1.0)
 DIVERSE_JOB0 = 100000
-DIVERSE2_JOB0 = 200000  # the second diverse pool (--prompts diverse2, prompts_train.diverse2_texts)
+DIVERSE2_JOB0 = 200000  # the second diverse pool (--prompts diverse2, prompts_diverse.diverse2_texts)
+DIVERSE3_JOB0 = 300000  # the third (--prompts diverse3, prompts_diverse.diverse3_texts)
+DIVERSE_POOLS = {"diverse": (diverse_texts, DIVERSE_JOB0), "diverse2": (diverse2_texts, DIVERSE2_JOB0),
+                 "diverse3": (diverse3_texts, DIVERSE3_JOB0)}
 GEN_ASSETS = HERE.parent / "assets" / "gen"  # answers already committed as tokens only (export_gen)
 
 
@@ -193,10 +197,9 @@ def run(minutes: float, seed: int, threads: int, kinds=("text", "gen"), part=(0,
     tok = AutoTokenizer.from_pretrained(tdir)
     target = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()  # text scoring
     gen = StaticBatchGenerator(load_model(tdir))  # the target's own answers, static KV (fast_generate.py)
-    diverse = pool.startswith("diverse")
+    diverse = pool in DIVERSE_POOLS
     windows = [] if diverse else text_windows(tok, seed)
-    prompts = (encode(tok, diverse_texts(tok, seed)) if pool == "diverse" else
-               encode(tok, diverse2_texts(tok, seed)) if pool == "diverse2" else train_prompts(tok, seed))
+    prompts = encode(tok, DIVERSE_POOLS[pool][0](tok, seed)) if diverse else train_prompts(tok, seed)
     log.info("job pool: %d text windows, %d generation prompts", len(windows), len(prompts))
     (out / "SOURCES.json").write_text(json.dumps({"seed": seed, "text_windows": len(windows),
                                                  "gen_prompts": len(prompts), "topk": TOPK}, indent=1))
@@ -207,7 +210,7 @@ def run(minutes: float, seed: int, threads: int, kinds=("text", "gen"), part=(0,
     n_gen = len(prompts) * (1 if diverse else len(GEN_PASSES))  # answer slots: every prompt once per pass
     while time.time() < deadline:
         kind = "gen" if diverse else PATTERN[job % len(PATTERN)]
-        num = job + {"diverse": DIVERSE_JOB0, "diverse2": DIVERSE2_JOB0}.get(pool, 0)  # the job's number in file names and seeds
+        num = job + (DIVERSE_POOLS[pool][1] if diverse else 0)  # the job's number in file names and seeds
         path = out / f"shard_{num:05d}_{kind}.safetensors"
         if kind == "text":
             batch, ti = windows[ti:ti + TEXT_BATCH], ti + TEXT_BATCH
@@ -358,10 +361,11 @@ def main(argv=None) -> int:
     ap.add_argument("--import-gen", type=Path, help="label the tokens-only answers in this directory again")
     ap.add_argument("--hard", action="store_true",
                     help="with --import-gen: the generated tokens as labels (no target forward; see hard_label)")
-    ap.add_argument("--prompts", choices=("templates", "diverse", "diverse2"), default="templates",
-                    help="generation prompts: the template pool (prompts_train.train_texts), the diverse one "
-                         "(diverse_texts: vocabulary words and stdlib docstrings in the slots) or the second "
-                         "diverse one (diverse2_texts: held-out-style questions, stdlib methods)")
+    ap.add_argument("--prompts", choices=("templates", *DIVERSE_POOLS), default="templates",
+                    help="generation prompts: the template pool (prompts_train.train_texts) or a diverse one "
+                         "(prompts_diverse: diverse = vocabulary words and stdlib docstrings in the slots, "
+                         "diverse2 = held-out-style questions and stdlib methods, diverse3 = everyday nouns, "
+                         "phrasing variants and package code)")
     ap.add_argument("--skip-exported", type=Path, default=GEN_ASSETS,
                     help="generation jobs whose answers are exported here count as done (default assets/gen)")
     args = ap.parse_args(argv)

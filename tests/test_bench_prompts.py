@@ -62,7 +62,7 @@ def test_diverse_pool_is_broad_deterministic_and_held_out():
     overlapping a benchmark or held-out prompt."""
     from transformers import AutoTokenizer
 
-    from prompts_train import diverse_texts
+    from prompts_diverse import diverse_texts
     from sglang_ssd import paths
 
     tok = AutoTokenizer.from_pretrained(paths.target_path())
@@ -85,7 +85,7 @@ def test_second_diverse_pool_is_new_distinct_and_held_out():
     prompt overlapping a benchmark or held-out prompt."""
     from transformers import AutoTokenizer
 
-    from prompts_train import diverse2_texts, diverse_texts
+    from prompts_diverse import diverse2_texts, diverse_texts
     from sglang_ssd import paths
 
     tok = AutoTokenizer.from_pretrained(paths.target_path())
@@ -100,6 +100,30 @@ def test_second_diverse_pool_is_new_distinct_and_held_out():
     chat = sum(c for _, c in pool)
     fact = len(pool) - code - math - chat
     assert chat / len(pool) > 0.35 and min(code, math, fact) / len(pool) > 0.1, (chat, code, math, fact)
+    for p in BENCH:  # the held-out prompts lead each kind of BENCH
+        text = p["text"].strip()
+        assert not any(text in t or t.strip() in text for t in texts), p["text"]
+
+
+def test_third_diverse_pool_repeats_no_earlier_pool_and_is_held_out():
+    """The third diverse pool (draft_data --prompts diverse3): every prompt once, none from the first two pools,
+    chat the largest share with code and factual prompts among the first ones, deterministic per seed, and no
+    prompt overlapping a benchmark or held-out prompt."""
+    from transformers import AutoTokenizer
+
+    from prompts_diverse import diverse2_texts, diverse3_texts, diverse_texts
+    from sglang_ssd import paths
+
+    tok = AutoTokenizer.from_pretrained(paths.target_path())
+    pool = diverse3_texts(tok, 0, n=3000)
+    assert pool == diverse3_texts(tok, 0, n=3000) and pool != diverse3_texts(tok, 1, n=3000)
+    texts = [t for t, _ in pool]
+    assert len(set(texts)) == len(texts) == 3000
+    assert not set(texts) & ({t for t, _ in diverse_texts(tok, 0)} | {t for t, _ in diverse2_texts(tok, 0)})
+    code = sum(t.startswith(("import ", "class ")) and "def " in t for t in texts)
+    chat = sum(c for _, c in pool)
+    assert chat / len(pool) > 0.45 and code / len(pool) > 0.1, (chat, code)
+    assert len(pool) - chat - code > 0.2 * len(pool)  # factual and math
     for p in BENCH:  # the held-out prompts lead each kind of BENCH
         text = p["text"].strip()
         assert not any(text in t or t.strip() in text for t in texts), p["text"]

@@ -26,9 +26,6 @@ import torch
 from sglang_ssd.draft.state import RequestState
 from sglang_ssd.protocol import BACKUPS
 from sglang_ssd.saguaro.backup_policy import BackupPolicy
-from sglang_ssd.saguaro.ngram import NgramIndex
-
-NGRAM_MAX_N, NGRAM_MIN_N = 4, 1
 HYBRID_STEPS_ENV = "SGLANG_SSD_HYBRID_STEPS"  # draft-model tokens before the n-gram tail: auto | 1, 2, ...
 SAMPLED_HYBRID_STEPS = 2  # auto, a round with a sampled missed row (results/variants_hybrid_steps_t1.md)
 
@@ -74,12 +71,10 @@ def fast_backup(states: Sequence[RequestState], k: int, vocab_size: int,
     h = 0 if head is None else int(head[0].shape[1])
     q16, outside = None, []
     for i, st in enumerate(states):
-        if st.ngram is None:
-            st.ngram = NgramIndex(NGRAM_MAX_N, NGRAM_MIN_N)
-        st.ngram.extend(st.tokens[len(st.ngram):])  # contexts only grow (a new prefill makes a new state)
+        index = st.ngram_index()
         lead = [] if head is None else head[0][i].tolist()
-        proposed, is_random = (st.ngram.propose_after(lead, k - h, vocab_size, generator, ids=cols) if h
-                               else st.ngram.propose(k, vocab_size, generator, ids=cols))
+        proposed, is_random = (index.propose_after(lead, k - h, vocab_size, generator, ids=cols) if h
+                               else index.propose(k, vocab_size, generator, ids=cols))
         toks[i] = torch.as_tensor(lead + proposed)
         if st.temperature <= 0:
             continue

@@ -177,6 +177,9 @@ def _decode_tree(e: "DraftEngine", plans, k_spec: int, width: int, limit: int, s
             cs = torch.cat([torch.full((sizes[r],), plans[r][0].saguaro_c) for r in chunk])
             tok, q = sample_rows(logits, temps, e.gen, torch.full((len(temps),), fan[d]), cs)
             tok = e.runner.to_tokens(tok)
+            if e.lookup.on:
+                rows_st, extras = _branch_contexts(plans, chunk, toks, d)
+                tok = e.lookup.apply(rows_st, extras, logits, tok)
             csizes = [sizes[r] for r in chunk]
             outs = torch.split(tok.cpu(), csizes)
             qs = torch.split(q, csizes) if q is not None else [None] * len(chunk)
@@ -190,6 +193,22 @@ def _decode_tree(e: "DraftEngine", plans, k_spec: int, width: int, limit: int, s
             if more and stop():
                 return list(zip(toks, q16s, done))
     return list(zip(toks, q16s, done))
+
+
+def _branch_contexts(plans, chunk: list[int], toks: list[torch.Tensor], d: int):
+    """Per branch row of the chunk: its request's state and the speculative tokens between the committed
+    context and depth d's token (s_1..s_j of the last speculation, the fork's guess, depths 0..d-1);
+    sampled plans get empty extras (the lookup skips their rows)."""
+    rows_st, extras = [], []
+    for r in chunk:
+        st, forks, guesses, _ = plans[r]
+        rows_st += [st] * len(forks)
+        if st.temperature > 0:
+            extras += [()] * len(forks)
+            continue
+        spec, prev = st.last_spec or [], toks[r][:, :d].tolist()
+        extras += [spec[:j] + [g] + p for j, g, p in zip(forks, guesses.tolist(), prev)]
+    return rows_st, extras
 
 
 def _record(e: "DraftEngine", t0: float, t_glue: float, t_tree: float, cut_depth: Optional[int],

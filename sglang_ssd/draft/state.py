@@ -15,6 +15,8 @@ from typing import Optional, Sequence
 from sglang_ssd.draft.kv_cache import RequestKV
 from sglang_ssd.saguaro.ngram import NgramIndex
 
+NGRAM_MAX_N, NGRAM_MIN_N = 4, 1  # the request's n-gram index (fast / hybrid backup, greedy lookup)
+
 
 @dataclass
 class RequestState:
@@ -28,7 +30,7 @@ class RequestState:
     last_spec: Optional[list[int]] = None     # the K tokens last sent for this rid
     last_hit: bool = False                    # did last_spec come from the cache?
     rounds: int = 0
-    ngram: Optional[NgramIndex] = None        # fast backup's index over `tokens` (built lazily)
+    ngram: Optional[NgramIndex] = None        # n-gram index over `tokens` (built lazily: ngram_index())
     cache_fan: Optional[list[int]] = None     # fan-out per k of the cache last built for this request
 
     # --- context ---------------------------------------------------------------------------
@@ -64,6 +66,14 @@ class RequestState:
         """The forward that began at len(written) wrote `tokens` there."""
         self.written.extend(int(t) for t in tokens)
         self.kv_valid = self.valid_prefix(self.tokens)
+
+    def ngram_index(self) -> NgramIndex:
+        """The request's n-gram index, brought up to its tokens (contexts only grow: a new prefill makes a
+        new state)."""
+        if self.ngram is None:
+            self.ngram = NgramIndex(NGRAM_MAX_N, NGRAM_MIN_N)
+        self.ngram.extend(self.tokens[len(self.ngram):])
+        return self.ngram
 
     @property
     def root_slot(self) -> int:

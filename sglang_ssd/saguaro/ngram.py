@@ -148,6 +148,18 @@ class NgramIndex:
         return _pad([], k, vocab_size, generator, ids)
 
 
+    def match_tail(self, extra: Sequence[int] = ()) -> tuple[int, int]:
+        """(n, token): the n-gram match for the context tokens + extra, as ``propose_after``'s first copied
+        token, in O(max_n) (only the last max_n tokens of tokens + extra are read); (0, -1) if none."""
+        tail = (self.tokens[-self.max_n:] + [int(t) for t in extra[-self.max_n:]])[-self.max_n:]
+        n_len = len(self.tokens) + len(extra)
+        for n in range(min(self.max_n, n_len - 1), self.min_n - 1, -1):
+            e = self.index[n].get(tuple(tail[len(tail) - n:]))
+            if e is not None:
+                return n, self.tokens[e]
+        return 0, -1
+
+
 def proposal_rows(tokens: Sequence[int], is_random: Sequence[bool], vocab_size: int,
                   dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                   ids: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -108,6 +108,9 @@ def test_engine_speculations_follow_the_lookup(runner, monkeypatch, mode):
     e.build_cache()
     keys = e.cache.keys("g")
     assert keys
+    # the bonus guesses after "all K accepted" (F = 2 there) include the copy that follows that context
+    _, copy = NgramIndex(4, 1, tokens=ctx).match_tail(want)
+    assert (K, copy) in keys and e.health()["lookup_guesses"] >= 1
     for j, g in keys:  # every cached branch: the lookup's decode after the outcome (j accepted, bonus g)
         entry = e.cache.peek("g", j, g)
         assert entry.tokens.tolist() == lookup_reference(runner, ctx, want[:j] + [g], K, (2, 1.0))

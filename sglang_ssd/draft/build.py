@@ -130,6 +130,8 @@ def build_cache(e: "DraftEngine", should_stop: Optional[Callable[[], bool]] = No
             c = e.runner.to_cols(torch.as_tensor(st.last_spec, device=z.device))
             z[torch.arange(d, device=z.device)[c >= 0], c[c >= 0]] = -torch.inf
         top = e.runner.to_tokens(torch.topk(z, max(fan), dim=-1).indices).cpu()  # [d+1, maxF] token ids
+        if e.lookup.on and st.temperature <= 0:
+            _lookup_guesses(e, st, top, fan, d)
         guesses = torch.cat([top[j, :f] for j, f in enumerate(fan)])   # fork-index-major
         plans.append((st, fork_indices(fan), guesses, fan))
 
@@ -193,6 +195,22 @@ def _decode_tree(e: "DraftEngine", plans, k_spec: int, width: int, limit: int, s
             if more and stop():
                 return list(zip(toks, q16s, done))
     return list(zip(toks, q16s, done))
+
+
+def _lookup_guesses(e: "DraftEngine", st, top: torch.Tensor, fan: list[int], d: int) -> None:
+    """Greedy rows: the n-gram copy after outcome j (s_1..s_j accepted) replaces the last of its F_j >= 2
+    guesses when the draft's guesses miss it (and it is not the rejected s_{j+1}): after a rejection the
+    bonus is the target's argmax, which the copy predicts where the draft did not (lookup.py).  The draft's
+    first guess always stays."""
+    spec = st.last_spec or []
+    for j, f in enumerate(fan):
+        if f < 2:
+            continue
+        g = e.lookup.guess(st, spec[:j])
+        if g is None or g in top[j, :f].tolist() or (j < d and g == spec[j]):
+            continue
+        top[j, f - 1] = g
+        e.lookup.guesses += 1
 
 
 def _branch_contexts(plans, chunk: list[int], toks: list[torch.Tensor], d: int):

@@ -427,6 +427,7 @@ class DraftEngine:
             **{f"width_{w}": n for w, n in sorted(st.width_hist.items())},
             **self.budget.report(),
             "lookup_rows": self.lookup.rows, "lookup_copies": self.lookup.copies,
+            "lookup_guesses": self.lookup.guesses,
             "avg_answer_ms": st.answer_ms / max(st.rounds, 1),
             "avg_backup_ms": st.backup_ms / max(st.rounds, 1),
             "forward_calls": self.runner.forward_calls, "forward_tokens": self.runner.forward_tokens,

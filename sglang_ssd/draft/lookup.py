@@ -22,10 +22,19 @@ class GreedyLookup:
         self.setting = setting if setting is not None or not from_env else lookup_from_env()
         self.rows = 0     # greedy rows looked at
         self.copies = 0   # rows whose token became the copy (and differed from the draft's)
+        self.guesses = 0  # bonus guesses of the cache build replaced by the copy (build.py)
 
     @property
     def on(self) -> bool:
         return self.setting is not None
+
+    def guess(self, st: RequestState, extra: Sequence[int]) -> Optional[int]:
+        """The copy after a greedy row's committed tokens + extra when its match is long enough, else None:
+        a bonus-token guess for the cache (the build puts it in place of its last draft guess)."""
+        if self.setting is None or st.temperature > 0:
+            return None
+        n, tok = st.ngram_index().match_tail(extra)
+        return tok if n >= self.setting[0] else None
 
     def apply(self, states: Sequence[RequestState], extras: Sequence[Sequence[int]], logits: torch.Tensor,
               tokens: torch.Tensor) -> torch.Tensor:

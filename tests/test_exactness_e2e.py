@@ -22,7 +22,10 @@ as "hitfast" with the hybrid backup.  Paths "eaglehit" / "eaglebackup": as "hit"
 head, every Speculate carrying "target features" for the positions committed since the last one.
 For each x1, the counts of (x2, x3) are compared with the exact target law by enumeration (G-test, cells
 with expected count < 5 pooled); the G statistics and degrees of freedom add up over x1.  Seeds are fixed.
-Negative controls: the same test must reject a verifier that uses the unmodified q with Saguaro sampling,
+Paths "mix" (sync) / "hitmix" (as "hit"): sampled rows draw from the lookup's mixture (1 - w) q + w onehot(copy)
+wherever their suffix recurred (n >= 1 here, so most rows), and send it as q (saguaro/lookup.py).
+Negative controls: the same test must reject a verifier that uses the unmodified q with Saguaro sampling or
+with the lookup's mixture,
 one that accepts sampled drafts greedily, one that scatters a sparse q to the wrong ids, and one that puts the hybrid backup's model-drafted first
 q row over the first W ids instead of the head's (a forgotten scatter).  (Taking a drafted token for a copy,
 one-hot q, would not be a defect: verifying any proposal as one-hot at its drawn token is exact.)
@@ -42,6 +45,7 @@ from sglang_ssd.draft.backup import HYBRID_STEPS_ENV
 from sglang_ssd.draft.engine import DraftEngine
 from sglang_ssd.draft.runner import DraftRunner, ForwardItem
 from sglang_ssd.protocol import PROTOCOL_VERSION, Hello, Prefill, Speculate
+from sglang_ssd.saguaro.lookup import MIX_ENV
 from sglang_ssd.saguaro.proposal import dequantize_proposal
 from sglang_ssd.saguaro.target_dist import target_probs
 from sglang_ssd.saguaro.verify import verify_chain, verify_chain_logits
@@ -116,7 +120,7 @@ def run(pair, path: str, temp: float, seed: int, broken: str = "", verifier: str
     verify_chain_logits on the raw logits with the wire rows' sums (its plain-temperature rounds)."""
     eagle = path.startswith("eagle")
     target, draft = pair[0], pair[3] if eagle else pair[2] if path in ("reduced", "hybrid") else pair[1]
-    mode = "sync" if path in ("backup", "fast", "hybrid", "eaglebackup") else "async"
+    mode = "sync" if path in ("backup", "fast", "hybrid", "eaglebackup", "mix") else "async"
     full = [V] * (K + 1)                 # every outcome cached (forks cap at V - 1 where s_{j+1} is excluded)
     c = 0.5 if path == "saguaro" else 1.0
     if path in ("saguaro", "hitfast", "hithybrid"):   # sigma needs F < V: top-2 cached, so hits and backups mix
@@ -125,7 +129,10 @@ def run(pair, path: str, temp: float, seed: int, broken: str = "", verifier: str
     # hit is a 1-token speculation padded with -1 (max_accept 1)
     # hybrid: one model token, so two copied tail tokens and copies of ids outside the head travel (the sparse
     # union); hithybrid: the default (auto: two model tokens in a sampled round, then one copied token)
-    with mock.patch.dict(os.environ, {HYBRID_STEPS_ENV: "1" if path == "hybrid" else "auto"}):
+    # mix / hitmix: every sampled row whose last token recurred draws from (1 - w) q + w onehot(copy)
+    # (n >= 1, w = 0.5; the other paths run the default n >= 2, which a few rows of V = 8 reach)
+    with mock.patch.dict(os.environ, {HYBRID_STEPS_ENV: "1" if path == "hybrid" else "auto",
+                                      MIX_ENV: "1,0.5" if path in ("mix", "hitmix") else "on"}):
         e = DraftEngine(draft, seed=seed, max_batch=N, max_build_depth=1 if path == "cut" else None)
     n_cols = draft.n_cols
     backup = {"fast": "fast", "hitfast": "fast", "hybrid": "hybrid", "hithybrid": "hybrid"}.get(path, "neural")
@@ -212,7 +219,8 @@ def run(pair, path: str, temp: float, seed: int, broken: str = "", verifier: str
     assert "hybrid" not in path or e.backups.rows["hybrid"] == fast_rows + N  # + the first round's N
     assert path != "hybrid" or wide_ids  # copies of ids outside the head really travelled
     assert not eagle or e.stats.feature_rows > N * len(PROMPT)
-    pure = path in ("hit", "cut", "eaglehit")
+    assert "mix" not in path or e.lookup.mixed > 0.3 * rounds  # the mixture really made most proposals
+    pure = path in ("hit", "cut", "eaglehit", "hitmix")
     # hit path: only step 3 can miss, and only through the odd outcome x1 == s1 (conditions on x1 only)
     assert not pure or (late_misses == 0 and missed == {r for r, a, b in zip(rids, x1, s1) if a == b})
     keep = [r for r in rids if not pure or r not in missed]
@@ -254,14 +262,15 @@ def chi2_sf(x: float, k: int) -> float:
                                          ("cut", 1.0), ("cut", 0.7), ("hybrid", 1.0), ("hybrid", 0.7),
                                          ("hithybrid", 1.0),
                                          ("reduced", 1.0), ("reduced", 0.7),
-                                         ("eaglehit", 1.0), ("eaglehit", 0.7), ("eaglebackup", 1.0)])
+                                         ("eaglehit", 1.0), ("eaglehit", 0.7), ("eaglebackup", 1.0),
+                                         ("mix", 1.0), ("mix", 0.7), ("hitmix", 1.0)])
 def test_output_law_is_the_targets(pair, path, temp):
     # hybrid: seed 7 draws a G-test p of 4e-4 at N = 4000 (P_MIN's false alarm); at N = 16000 seeds 7, 8, 9
     # give p = 0.24, 0.98, 0.23 (and the neural backup 0.37, 0.40, 0.62), so its tests run seed 8
     counts, hit_rate = run(pair, path, temp, seed=8 if "hybrid" in path else 7)
-    if path in ("backup", "fast", "hybrid", "eaglebackup"):
+    if path in ("backup", "fast", "hybrid", "eaglebackup", "mix"):
         assert hit_rate == 0.0
-    elif path in ("hit", "cut", "eaglehit"):
+    elif path in ("hit", "cut", "eaglehit", "hitmix"):
         assert hit_rate > 0.85, hit_rate    # the path under test really is the cache
     elif path == "reduced":
         assert 0.15 < hit_rate < 0.98, hit_rate  # bonuses outside the head miss
@@ -273,7 +282,8 @@ def test_output_law_is_the_targets(pair, path, temp):
 
 
 @pytest.mark.parametrize("broken, path", [("plain_q", "saguaro"), ("greedy_accept", "hit"),
-                                          ("misplaced_ids", "reduced"), ("unscattered_head", "hybrid")])
+                                          ("misplaced_ids", "reduced"), ("unscattered_head", "hybrid"),
+                                          ("plain_q", "mix")])
 def test_negative_controls_are_detected(pair, broken, path):
     counts, _ = run(pair, path, 1.0, seed=7, broken=broken)
     p = g_test(counts, exact_conditional(pair[0], 1.0))

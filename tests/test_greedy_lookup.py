@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sglang_ssd.draft.engine import DraftEngine
-from sglang_ssd.draft.lookup import GreedyLookup
+from sglang_ssd.draft.lookup import Lookup
 from sglang_ssd.draft.runner import ForwardItem
 from sglang_ssd.draft.state import RequestState
 from sglang_ssd.protocol import PROTOCOL_VERSION, Hello, Prefill, Speculate
@@ -55,7 +55,7 @@ def _state(rid, tokens, temp):
 
 def test_apply_copies_only_unsure_greedy_rows():
     ctx = [5, 6, 7, 8, 5, 6]                       # suffix (5, 6) recurs: the copy is 7
-    lk = GreedyLookup((2, 0.8), from_env=False)
+    lk = Lookup((2, 0.8), from_env=False)
     unsure, sure = torch.zeros(2, 10), torch.zeros(2, 10)
     sure[:, 3] = 20.0
     toks = torch.tensor([3, 3])
@@ -65,7 +65,7 @@ def test_apply_copies_only_unsure_greedy_rows():
     assert lk.apply(states, [[9], []], unsure, toks).tolist() == [3, 3]     # (6, 9) / (9,) never seen
     assert lk.apply(states, [[8, 5], []], unsure, toks).tolist() == [6, 3]  # context + extra: (8, 5) -> 6
     assert (lk.rows, lk.copies) == (4, 2)
-    off = GreedyLookup(None, from_env=False)
+    off = Lookup(None, from_env=False)
     assert not off.on and off.apply(states, [[], []], unsure, toks) is toks
 
 
@@ -120,3 +120,56 @@ def test_engine_speculations_follow_the_lookup(runner, monkeypatch, mode):
     e2.prefill(Prefill(["g"], [PROMPT], [0.0], [1.0]))
     assert e2.speculate(Speculate(0, ["g"], [-1], [8], [0.0])).tokens[0].tolist() == greedy_reference(runner, ctx, K)
     assert e2.health()["lookup_copies"] == 0
+
+
+def test_sample_rows_draws_from_the_mixture_it_returns():
+    from sglang_ssd.draft.sampling import sample_rows
+    from sglang_ssd.saguaro.lookup import mix_copy
+    from sglang_ssd.saguaro.proposal import dequantize_proposal, quantize_proposal
+
+    z = torch.log(torch.tensor([0.6, 0.3, 0.1, 0.0 + 1e-9]))
+    z = torch.stack([z, z, z])
+    cols = torch.tensor([3, -1, 0])
+    tok, q16 = sample_rows(z, [1.0, 1.0, 0.0], torch.Generator().manual_seed(0), mix=(cols, 0.5))
+    want = quantize_proposal(mix_copy(torch.softmax(z[:2], -1), cols[:2], 0.5))
+    assert torch.equal(q16[:2], want) and not q16[2].any() and tok[2] == 0  # greedy rows: argmax, no q
+    assert torch.allclose(dequantize_proposal(q16[0]), torch.tensor([0.3, 0.15, 0.05, 0.5]), atol=1e-3)
+    n = 6000
+    zz = z[:1].repeat(n, 1)
+    tok, q16 = sample_rows(zz, [1.0] * n, torch.Generator().manual_seed(1), mix=(torch.full((n,), 3), 0.5))
+    freq = torch.bincount(tok, minlength=4).float() / n
+    torch.testing.assert_close(freq, dequantize_proposal(q16[0]), atol=0.025, rtol=0)
+    with pytest.raises(ValueError, match="support"):
+        sample_rows(z, [1.0] * 3, mix=(cols, 0.5), support=torch.arange(4))
+
+
+def test_sampled_rows_send_the_mixture_they_drew_from(runner, monkeypatch):
+    """Sync mode, T = 1, w = 1: every proposal whose suffix recurs is the copy itself, q one-hot there; with
+    the mixture off the same request gets the draft's own q (a row differs)."""
+    from sglang_ssd.saguaro.lookup import MIX_ENV
+    from sglang_ssd.saguaro.proposal import dequantize_proposal
+    from tests.tiny_models import next_logits
+
+    monkeypatch.setenv(MIX_ENV, "2,1.0")
+    e = DraftEngine(runner, seed=3)
+    e.hello(Hello(PROTOCOL_VERSION, "t", K, "sync", FAN, V, [1], None, "neural"))
+    e.prefill(Prefill(["s"], [PROMPT], [1.0], [1.0]))
+    reply = e.speculate(Speculate(0, ["s"], [-1], [8], [1.0]))
+    ctx, got = PROMPT + [8], reply.tokens[0].tolist()
+    idx = NgramIndex(4, 1, tokens=ctx)
+    q = dequantize_proposal(torch.as_tensor(reply.q_for_row(0, V)))
+    assert got == [9, 5, 6]  # the periodic continuation, copied at every depth
+    for t in range(K):
+        assert idx.match_tail(got[:t]) == (4, got[t]) and q[t, got[t]] == 1.0
+    assert e.health()["lookup_mixed"] == K
+    monkeypatch.setenv(MIX_ENV, "2,0.5")
+    e = DraftEngine(runner, seed=3)
+    e.hello(Hello(PROTOCOL_VERSION, "t", K, "sync", FAN, V, [1], None, "neural"))
+    e.prefill(Prefill(["s"], [PROMPT], [1.0], [1.0]))
+    reply = e.speculate(Speculate(0, ["s"], [-1], [8], [1.0]))
+    got = reply.tokens[0].tolist()
+    q = dequantize_proposal(torch.as_tensor(reply.q_for_row(0, V)))
+    _, copy = idx.match_tail([])
+    ref = 0.5 * torch.softmax(next_logits(runner, ctx), -1)
+    ref[copy] += 0.5
+    torch.testing.assert_close(q[0], ref, atol=1e-5, rtol=2e-3)

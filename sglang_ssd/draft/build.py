@@ -177,10 +177,11 @@ def _decode_tree(e: "DraftEngine", plans, k_spec: int, width: int, limit: int, s
             logits = torch.cat(e.runner.forward(items, cols=True))
             temps = torch.cat([torch.full((sizes[r],), plans[r][0].temperature) for r in chunk])
             cs = torch.cat([torch.full((sizes[r],), plans[r][0].saguaro_c) for r in chunk])
-            tok, q = sample_rows(logits, temps, e.gen, torch.full((len(temps),), fan[d]), cs)
+            rows_st, extras = _branch_contexts(plans, chunk, toks, d) if e.lookup.on else (None, None)
+            mix = e.lookup.mix_cols(rows_st, extras, e.runner.to_cols) if rows_st is not None else None
+            tok, q = sample_rows(logits, temps, e.gen, torch.full((len(temps),), fan[d]), cs, mix=mix)
             tok = e.runner.to_tokens(tok)
-            if e.lookup.on:
-                rows_st, extras = _branch_contexts(plans, chunk, toks, d)
+            if rows_st is not None:
                 tok = e.lookup.apply(rows_st, extras, logits, tok)
             csizes = [sizes[r] for r in chunk]
             outs = torch.split(tok.cpu(), csizes)
@@ -215,15 +216,11 @@ def _lookup_guesses(e: "DraftEngine", st, top: torch.Tensor, fan: list[int], d: 
 
 def _branch_contexts(plans, chunk: list[int], toks: list[torch.Tensor], d: int):
     """Per branch row of the chunk: its request's state and the speculative tokens between the committed
-    context and depth d's token (s_1..s_j of the last speculation, the fork's guess, depths 0..d-1);
-    sampled plans get empty extras (the lookup skips their rows)."""
+    context and depth d's token (s_1..s_j of the last speculation, the fork's guess, depths 0..d-1)."""
     rows_st, extras = [], []
     for r in chunk:
         st, forks, guesses, _ = plans[r]
         rows_st += [st] * len(forks)
-        if st.temperature > 0:
-            extras += [()] * len(forks)
-            continue
         spec, prev = st.last_spec or [], toks[r][:, :d].tolist()
         extras += [spec[:j] + [g] + p for j, g, p in zip(forks, guesses.tolist(), prev)]
     return rows_st, extras

@@ -22,7 +22,7 @@ import torch
 from sglang_ssd.draft import build
 from sglang_ssd.draft.runner import DraftRunner, ForwardItem
 from sglang_ssd.draft.backup import SAMPLED_HYBRID_STEPS, BackupChooser, fast_backup, hybrid_steps
-from sglang_ssd.draft.lookup import GreedyLookup
+from sglang_ssd.draft.lookup import Lookup
 from sglang_ssd.draft.budget import BuildBudget
 from sglang_ssd.draft.budget import enabled_by_env as budget_enabled_by_env
 from sglang_ssd.draft.fanout import LiveFanOut
@@ -99,7 +99,7 @@ class DraftEngine:
         self.budget = BuildBudget(budget_enabled_by_env() if build_budget is None else build_budget)
         self._t_reply: Optional[float] = None
         self.hybrid_steps = hybrid_steps()  # a hybrid backup's model tokens before its n-gram tail (0: auto)
-        self.lookup = GreedyLookup()  # greedy rows: n-gram copy over an unsure draft token (lookup.py)
+        self.lookup = Lookup()  # n-gram copies: over an unsure greedy token, mixed into a sampled q (lookup.py)
         # a reply's q_ids: the head's ids (sorted, once), empty = q dense over the vocabulary
         self._q_ids = (np.zeros(0, dtype=np.int64) if runner.cols is None
                        else runner.cols.cpu().numpy().astype(np.int64))
@@ -380,9 +380,10 @@ class DraftEngine:
             logits = torch.cat(self.runner.forward(items, cols=True))
             for st, it in zip(states, items):
                 st.end_write(it.tokens.tolist())
-            tok, q = sample_rows(logits, temps, self.gen, [fan_miss[t]] * m, cs)
-            tok = self.lookup.apply(states, [row[:t] for row in toks.tolist()] if t else [[]] * m, logits,
-                                    self.runner.to_tokens(tok))
+            extras = [row[:t] for row in toks.tolist()] if t else [[]] * m  # this round's tokens so far
+            mix = self.lookup.mix_cols(states, extras, self.runner.to_cols)
+            tok, q = sample_rows(logits, temps, self.gen, [fan_miss[t]] * m, cs, mix=mix)
+            tok = self.lookup.apply(states, extras, logits, self.runner.to_tokens(tok))
             toks[:, t] = tok.cpu()
             if raw is not None:
                 raw[:, t] = logits
@@ -427,7 +428,7 @@ class DraftEngine:
             **{f"width_{w}": n for w, n in sorted(st.width_hist.items())},
             **self.budget.report(),
             "lookup_rows": self.lookup.rows, "lookup_copies": self.lookup.copies,
-            "lookup_guesses": self.lookup.guesses,
+            "lookup_guesses": self.lookup.guesses, "lookup_mixed": self.lookup.mixed,
             "avg_answer_ms": st.answer_ms / max(st.rounds, 1),
             "avg_backup_ms": st.backup_ms / max(st.rounds, 1),
             "forward_calls": self.runner.forward_calls, "forward_tokens": self.runner.forward_tokens,

@@ -1,7 +1,8 @@
-"""Greedy prompt lookup over the draft model's choices (saguaro/lookup.py has the rule and why).
+"""Prompt lookup over the draft model's choices (saguaro/lookup.py has the rules and why).
 
-Used wherever the draft model picks a greedy row's next token: each depth of the cache build's tree and
-each step of the just-in-time backup (sync mode's drafting included).  A row's context is its request's
+Used wherever the draft model picks a row's next token: each depth of the cache build's tree and each step
+of the just-in-time backup (sync mode's drafting included).  Greedy rows: ``apply`` after the argmax.
+Sampled rows: ``mix_cols`` before the draw (sampling.sample_rows mixes q with the copy).  A row's context is its request's
 committed tokens plus the speculative tokens before it in its branch (``extra``); the n-gram index is the
 request's own (RequestState.ngram, shared with the fast backup) over the committed tokens.
 """
@@ -13,20 +14,47 @@ from typing import Optional, Sequence
 import torch
 
 from sglang_ssd.draft.state import RequestState
-from sglang_ssd.saguaro.lookup import lookup_from_env, take_copy
+from sglang_ssd.saguaro.lookup import lookup_from_env, mix_from_env, take_copy
 
-class GreedyLookup:
-    """Replaces a greedy row's draft token by the n-gram copy when the rule says so; counts both."""
 
-    def __init__(self, setting: Optional[tuple[int, float]] = None, from_env: bool = True):
+class Lookup:
+    """Replaces a greedy row's draft token by the n-gram copy when the rule says so, and gives sampled rows
+    their copy column for the mixture; counts what it did."""
+
+    def __init__(self, setting: Optional[tuple[int, float]] = None, mix: Optional[tuple[int, float]] = None,
+                 from_env: bool = True):
         self.setting = setting if setting is not None or not from_env else lookup_from_env()
+        self.mix = mix if mix is not None or not from_env else mix_from_env()
+        self.mixed = 0    # sampled rows drawn from a mixture with a copy
         self.rows = 0     # greedy rows looked at
         self.copies = 0   # rows whose token became the copy (and differed from the draft's)
         self.guesses = 0  # bonus guesses of the cache build replaced by the copy (build.py)
 
     @property
     def on(self) -> bool:
-        return self.setting is not None
+        return self.setting is not None or self.mix is not None
+
+    def mix_cols(self, states: Sequence[RequestState], extras: Sequence[Sequence[int]],
+                 to_cols) -> Optional[tuple[torch.Tensor, float]]:
+        """For sample_rows' mix: per row the copy's column (to_cols: token ids -> columns, -1 outside a
+        reduced head) where a sampled row's match is long enough, else -1; None when no row has one."""
+        if self.mix is None:
+            return None
+        min_n, w = self.mix
+        cols, any_copy = [-1] * len(states), False
+        for i, (st, extra) in enumerate(zip(states, extras)):
+            if st.temperature <= 0:
+                continue
+            n, tok = st.ngram_index().match_tail(extra)
+            if n >= min_n:
+                cols[i], any_copy = tok, True
+        if not any_copy:
+            return None
+        toks = torch.as_tensor(cols)
+        c = to_cols(toks.clamp_min(0)).cpu()
+        c = torch.where(toks >= 0, c, torch.full_like(c, -1))
+        self.mixed += int((c >= 0).sum())
+        return (c, w) if bool((c >= 0).any()) else None
 
     def guess(self, st: RequestState, extra: Sequence[int]) -> Optional[int]:
         """The copy after a greedy row's committed tokens + extra when its match is long enough, else None:

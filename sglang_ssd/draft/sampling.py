@@ -12,21 +12,26 @@ from typing import Optional, Sequence
 
 import torch
 
+from sglang_ssd.saguaro.lookup import mix_copy
 from sglang_ssd.saguaro.proposal import dequantize_proposal, quantize_proposal
 from sglang_ssd.saguaro.saguaro_sampling import saguaro_probs_rows
 from sglang_ssd.saguaro.verify import sample_inverse_cdf
 
 
 def proposal_wire(logits: torch.Tensor, temperatures: torch.Tensor, fs: Optional[torch.Tensor] = None,
-                  cs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  cs: Optional[torch.Tensor] = None,
+                  mix: Optional[tuple[torch.Tensor, float]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [n, V], temperatures [n] (> 0) -> (q float32 [n, V] to sample from, q16 float16 wire copy).
 
     Same arithmetic as proposal_from_logits: softmax(logits.float() / T.clamp_min(1e-6)), then, for rows
-    with Saguaro sampling (C_i < 1, F_i > 0), sigma_{F_i,C_i} (saguaro_sampling.py) before quantising."""
+    with Saguaro sampling (C_i < 1, F_i > 0), sigma_{F_i,C_i} (saguaro_sampling.py); with mix = (cols [n], w),
+    the rows with a copy column (>= 0) become (1 - w) q + w onehot(col) (saguaro/lookup.py); then quantised."""
     t = temperatures.to(device=logits.device, dtype=torch.float32).unsqueeze(-1)
     probs = torch.softmax(logits.float() / t.clamp_min(1e-6), dim=-1)
     if cs is not None and fs is not None:
         probs = saguaro_probs_rows(probs, fs, cs)
+    if mix is not None:
+        probs = mix_copy(probs, mix[0].to(probs.device), mix[1])
     q16 = quantize_proposal(probs)
     return dequantize_proposal(q16), q16
 
@@ -34,7 +39,8 @@ def proposal_wire(logits: torch.Tensor, temperatures: torch.Tensor, fs: Optional
 def sample_rows(logits: torch.Tensor, temperatures: Sequence[float] | torch.Tensor,
                 generator: Optional[torch.Generator] = None, fs: Optional[Sequence[int] | torch.Tensor] = None,
                 cs: Optional[Sequence[float] | torch.Tensor] = None,
-                support: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                support: Optional[torch.Tensor] = None,
+                mix: Optional[tuple[torch.Tensor, float]] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """logits [n, V] float32 -> (tokens [n] long, q16 [n, V] float16 or None if every row is greedy).
 
     Rows with temperature <= 0 take the argmax of the raw logits and keep a zero q16 row (Saguaro
@@ -42,7 +48,11 @@ def sample_rows(logits: torch.Tensor, temperatures: Sequence[float] | torch.Tens
     support: the vocabulary ids a reduced draft head covers (logits are -inf, so q exactly 0,
     everywhere else): softmax, Saguaro sampling, quantisation and the draw then run over those ids
     only -- the same law, since zero-mass tokens have empty inverse-CDF intervals either way -- and
-    q16 is scattered back to the full vocabulary."""
+    q16 is scattered back to the full vocabulary.  mix = (cols [n] long, w): per row the column (in the
+    logits' space) of an n-gram copy, -1 for none; sampled rows with one draw from the mixture
+    (1 - w) q + w onehot(col), and that mixture is their q16 (not with support)."""
+    if mix is not None and support is not None:
+        raise ValueError("sample_rows: mix is given in the logits' columns, not with support")
     temps = torch.as_tensor(temperatures, dtype=torch.float32, device=logits.device).reshape(-1)
     sampled = (temps > 0).nonzero().squeeze(-1)
     if sampled.numel() == 0:
@@ -56,7 +66,8 @@ def sample_rows(logits: torch.Tensor, temperatures: Sequence[float] | torch.Tens
     z = logits if every else logits[sampled]
     q16 = torch.zeros(logits.shape, dtype=torch.float16, device=logits.device)
     if support is None:
-        q, q16_rows = proposal_wire(z, temps[sampled], sf, sc)
+        smix = None if mix is None else (mix[0].reshape(-1)[sampled.cpu()], mix[1])
+        q, q16_rows = proposal_wire(z, temps[sampled], sf, sc, smix)
         tokens[sampled] = sample_inverse_cdf(q, generator)
         q16[sampled] = q16_rows
         return tokens, q16

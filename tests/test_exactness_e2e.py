@@ -130,7 +130,7 @@ def run(pair, path: str, temp: float, seed: int, broken: str = "", verifier: str
     # hybrid: one model token, so two copied tail tokens and copies of ids outside the head travel (the sparse
     # union); hithybrid: the default (auto: two model tokens in a sampled round, then one copied token)
     # mix / hitmix: every sampled row whose last token recurred draws from (1 - w) q + w onehot(copy)
-    # (n >= 1, w = 0.5; the other paths run the default n >= 2, which a few rows of V = 8 reach)
+    # (n >= 1, w = 0.5; the other paths run it "on", n >= 2, which some rows of V = 8 reach: off by default)
     with mock.patch.dict(os.environ, {HYBRID_STEPS_ENV: "1" if path == "hybrid" else "auto",
                                       MIX_ENV: "1,0.5" if path in ("mix", "hitmix") else "on"}):
         e = DraftEngine(draft, seed=seed, max_batch=N, max_build_depth=1 if path == "cut" else None)

@@ -43,6 +43,11 @@ def test_parse_and_rule():
     for bad in ("2", "x,0.5", "0,0.5", "2,0", "2,1.5"):
         with pytest.raises(ValueError, match=LOOKUP_ENV):
             parse_lookup(bad)
+    from sglang_ssd.saguaro.lookup import MIX_ENV, parse_mix
+    assert parse_mix(None) is None and parse_mix("") is None and parse_mix("on") == (2, 0.5)
+    assert parse_mix("1,0.25") == (1, 0.25)
+    with pytest.raises(ValueError, match=MIX_ENV):
+        parse_mix("1,2")
     n, p = torch.tensor([1, 2, 2, 5, 0]), torch.tensor([0.1, 0.5, 0.9, 0.79, 0.0])
     assert take_copy(n, p, 2, 0.8).tolist() == [False, True, False, True, False]
     assert take_copy(n, p, 2, 1.0).tolist() == [False, True, True, True, False]

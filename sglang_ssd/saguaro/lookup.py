@@ -14,7 +14,10 @@ request's n-gram index (n <= 4), along target-greedy answers:
 max_p = 1), and a confident draft (top prob >= 0.8) is right more often than the copy.
 
 Sampled rows (T = 1 on the held-out trajectories, sum_x min(p, q')): 0.474 -> 0.497 at (2, w = 0.5), 0.500 at
-w = 0.7, 0.491 at w = 0.3; n >= 1 peaks at 0.482 (w = 0.2), n >= 3 / 4 stay below n >= 2.
+w = 0.7, 0.491 at w = 0.3; n >= 1 peaks at 0.482 (w = 0.2), n >= 3 / 4 stay below n >= 2.  Through the server
+it did not carry over (T = 1, b = 1, all 64 bench prompts, results/variants_sampled_lookup_b1_all.md: accept
+length SD 1.658 -> 1.625, SSD 1.594 -> 1.602; the held-out trajectories are greedy ones, more repetitive than
+sampled answers), so the mixture is OFF by default (SGLANG_SSD_SAMPLED_LOOKUP=on or MIN_N,W turns it on).
 
 Exactness: a greedy row is verified by token equality with the target's argmax, so any proposed token
 keeps the output identical to plain decoding.  A sampled row's token is a draw from the mixture q', and
@@ -31,14 +34,17 @@ import torch
 
 LOOKUP_ENV = "SGLANG_SSD_GREEDY_LOOKUP"   # "off", or "MIN_N,MAX_P" (default below)
 LOOKUP_MIN_N, LOOKUP_MAX_P = 2, 0.8
-MIX_ENV = "SGLANG_SSD_SAMPLED_LOOKUP"     # "off", or "MIN_N,W" (default below)
+MIX_ENV = "SGLANG_SSD_SAMPLED_LOOKUP"     # unset / "off" (default), "on" = the values below, or "MIN_N,W"
 MIX_MIN_N, MIX_W = 2, 0.5
 
 
-def _parse(raw: Optional[str], env: str, default: tuple[int, float], what: str) -> Optional[tuple[int, float]]:
-    if raw is None or raw.strip().lower() in ("", "on", "default"):
-        return default
+def _parse(raw: Optional[str], env: str, default: tuple[int, float], what: str,
+           unset_on: bool = True) -> Optional[tuple[int, float]]:
+    if raw is None or raw.strip() == "":
+        return default if unset_on else None
     raw = raw.strip().lower()
+    if raw in ("on", "default"):
+        return default
     if raw in ("off", "0", "none"):
         return None
     try:
@@ -57,8 +63,9 @@ def parse_lookup(raw: Optional[str]) -> Optional[tuple[int, float]]:
 
 
 def parse_mix(raw: Optional[str]) -> Optional[tuple[int, float]]:
-    """The sampled rule's env setting -> (min_n, w), or None when off.  ValueError on a malformed value."""
-    return _parse(raw, MIX_ENV, (MIX_MIN_N, MIX_W), "W")
+    """The sampled rule's env setting -> (min_n, w), or None when off (the default: unset = off, "on" =
+    (MIX_MIN_N, MIX_W)).  ValueError on a malformed value."""
+    return _parse(raw, MIX_ENV, (MIX_MIN_N, MIX_W), "W", unset_on=False)
 
 
 def lookup_from_env() -> Optional[tuple[int, float]]:

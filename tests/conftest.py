@@ -55,3 +55,15 @@ def synthetic_pair(tmp_path_factory) -> str:
     assert make_synthetic_pair.main([str(out), "--hidden", "64", "--layers", "1", "--heads", "2",
                                      "--kv-heads", "1"]) == 0
     return str(out)
+
+
+@pytest.fixture(scope="module")
+def no_lookup():
+    """The draft's own choices, without the prompt lookup (saguaro/lookup.py), for a module whose tests compare
+    proposals with a plain sequential decode of the draft (the lookup has its own reference in
+    test_greedy_lookup.py).  Module-scoped so engines and draft processes made by module fixtures see it too."""
+    from sglang_ssd.saguaro.lookup import LOOKUP_ENV
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(LOOKUP_ENV, "off")
+        yield

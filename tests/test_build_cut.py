@@ -23,6 +23,9 @@ from tests.draft_helpers import FAN, K, V, check_q
 from tests.draft_helpers import model_dir, runner  # noqa: F401  (fixtures: the tiny draft of the draft tests)
 from tests.tiny_models import greedy_reference, next_logits
 
+# proposals are compared with the draft's own decode: the prompt lookup off (conftest.no_lookup)
+pytestmark = pytest.mark.usefixtures("no_lookup")
+
 torch.set_num_threads(1)
 
 PROMPTS = {"r0": [5, 9, 17, 33, 2], "r1": [40, 41], "r2": [7, 8, 9, 10, 11, 12, 13]}

@@ -16,6 +16,9 @@ from tests.draft_helpers import FAN, K, PROMPTS, V, Target, check_q, pick_outcom
 from tests.draft_helpers import model_dir, runner  # noqa: F401  (fixtures)
 from tests.tiny_models import greedy_reference
 
+# proposals are compared with the draft's own decode: the prompt lookup off (conftest.no_lookup)
+pytestmark = pytest.mark.usefixtures("no_lookup")
+
 
 def test_fast_backup_proposes_ngram_copies_with_their_true_q(runner):
     """backup='fast': missed rows get prompt-lookup copies (one-hot q) or uniform random tokens (uniform q),

@@ -19,6 +19,9 @@ from tests.draft_helpers import (FAN, FAN_MISS, K, KINDS, PROMPTS, V, Target, ch
 from tests.draft_helpers import model_dir, runner  # noqa: F401  (fixtures)
 from tests.tiny_models import greedy_reference, make_reduced_head_model
 
+# proposals are compared with the draft's own decode: the prompt lookup off (conftest.no_lookup)
+pytestmark = pytest.mark.usefixtures("no_lookup")
+
 
 def test_async_greedy_cache_and_backup_equal_sequential_decode(runner):
     e = DraftEngine(runner, seed=0)

@@ -22,6 +22,9 @@ from sglang_ssd.draft.server import DraftServer
 from sglang_ssd.sglang.draft_link import DraftLink
 from tests.tiny_models import greedy_reference, make_tiny_model
 
+# proposals are compared with the draft's own decode: the prompt lookup off (conftest.no_lookup)
+pytestmark = pytest.mark.usefixtures("no_lookup")
+
 torch.set_num_threads(1)
 
 K, V, DEADLINE = 3, 96, 0.5

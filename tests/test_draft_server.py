@@ -21,6 +21,9 @@ from tests.draft_helpers import FAN, K, PROMPTS, REPO, V, check_q
 from tests.draft_helpers import model_dir, runner  # noqa: F401  (fixtures)
 from tests.tiny_models import greedy_reference, next_logits
 
+# proposals are compared with the draft's own decode: the prompt lookup off (conftest.no_lookup)
+pytestmark = pytest.mark.usefixtures("no_lookup")
+
 
 # ---------------------------------------------------------------------------------------------
 # client behaviour against a fake server: timeouts and late replies

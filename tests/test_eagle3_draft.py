@@ -15,6 +15,9 @@ from sglang_ssd.draft.runner import DraftRunner
 from sglang_ssd.protocol import PROTOCOL_VERSION, Hello, Prefill, Speculate, decode
 from tests.test_eagle3_model import DT, V, _causal, _weights, _write
 
+# proposals are compared with the draft's own decode: the prompt lookup off (conftest.no_lookup)
+pytestmark = pytest.mark.usefixtures("no_lookup")
+
 K = 3
 
 

@@ -72,6 +72,10 @@ def test_apply_copies_only_unsure_greedy_rows():
     assert (lk.rows, lk.copies) == (4, 2)
     off = Lookup(None, from_env=False)
     assert not off.on and off.apply(states, [[], []], unsure, toks) is toks
+    # reads: the rows a caller must build contexts for (greedy under the rule, sampled under the mixture)
+    assert lk.reads(states) and lk.reads(states[:1]) and not lk.reads(states[1:])
+    mix_only = Lookup(None, (2, 0.5), from_env=False)
+    assert mix_only.reads(states[1:]) and not mix_only.reads(states[:1]) and not off.reads(states)
 
 
 def lookup_reference(runner, committed, extra, n, setting=(2, 0.8)) -> list[int]:

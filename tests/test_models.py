@@ -69,7 +69,10 @@ def test_trained_draft_reduced_head(target_path, draft_path):
 
     cfg = json.load(open(os.path.join(draft_path, "config.json")))
     marker = json.load(open(os.path.join(draft_path, "PREPARED.json")))
-    assert marker["recipe_version"] == 2 and cfg["ssd_head_vocab"] == marker["params"]["head_vocab"]
+    assert marker["recipe_version"] == 3 and cfg["ssd_head_vocab"] == marker["params"]["head_vocab"]
+    from sglang_ssd.saguaro.datastore import load_for
+    store = load_for(draft_path)  # built from assets/gen's answers at assembly (scripts/trained_draft.py)
+    assert store is not None and len(store) == marker["datastore"] > 1_000_000
     model = load_model(draft_path)
     head = model.head_ids
     assert head.numel() == cfg["ssd_head_vocab"] < cfg["vocab_size"] and {0, 1, 2} <= set(head.tolist())

@@ -30,6 +30,7 @@ from sglang_ssd.draft.sampling import sample_rows
 from sglang_ssd.draft.spec_cache import SpecCache
 from sglang_ssd.draft.state import RequestState
 from sglang_ssd.draft.wire_q import wire_q
+from sglang_ssd.saguaro.datastore import Datastore
 from sglang_ssd.protocol import (PROTOCOL_VERSION, Ack, Hello, HelloReply, Prefill, Release,
                                  Speculate, SpecReply)
 
@@ -93,13 +94,15 @@ def _ms(t0: float) -> float:
 class DraftEngine:
     def __init__(self, runner: DraftRunner, seed: int = 0, max_batch: int = 1024,
                  build_chunk_tokens: Optional[int] = None, max_build_depth: Optional[int] = None,
-                 build_budget: Optional[bool] = None):
+                 build_budget: Optional[bool] = None, corpus: Optional[Datastore] = None):
         self.runner = runner
         # fan-outs scaled so a build fits the verify window (budget.py)
         self.budget = BuildBudget(budget_enabled_by_env() if build_budget is None else build_budget)
         self._t_reply: Optional[float] = None
         self.hybrid_steps = hybrid_steps()  # a hybrid backup's model tokens before its n-gram tail (0: auto)
-        self.lookup = Lookup()  # n-gram copies: over an unsure greedy token, mixed into a sampled q (lookup.py)
+        # n-gram copies: over an unsure greedy token (the request's own, or the draft's datastore), mixed into a
+        # sampled q (lookup.py)
+        self.lookup = Lookup(corpus=corpus)
         # a reply's q_ids: the head's ids (sorted, once), empty = q dense over the vocabulary
         self._q_ids = (np.zeros(0, dtype=np.int64) if runner.cols is None
                        else runner.cols.cpu().numpy().astype(np.int64))
@@ -432,6 +435,7 @@ class DraftEngine:
             **self.budget.report(),
             "lookup_rows": self.lookup.rows, "lookup_copies": self.lookup.copies,
             "lookup_guesses": self.lookup.guesses, "lookup_mixed": self.lookup.mixed,
+            "lookup_corpus": self.lookup.corpus_copies,
             "avg_answer_ms": st.answer_ms / max(st.rounds, 1),
             "avg_backup_ms": st.backup_ms / max(st.rounds, 1),
             "forward_calls": self.runner.forward_calls, "forward_tokens": self.runner.forward_tokens,

@@ -23,6 +23,7 @@ from sglang_ssd.draft import curve
 from sglang_ssd.draft.endpoint import normalize_endpoint, remove_ipc_file
 from sglang_ssd.draft.engine import DraftEngine, EngineError
 from sglang_ssd.draft.runner import DraftRunner
+from sglang_ssd.saguaro import datastore
 from sglang_ssd.protocol import (MAX_FRAME_BYTES, Ack, ErrorReply, Health, HealthReply, Hello, Message,
                                  Prefill, ProtocolError, Release, Shutdown, Speculate, decode, peek_req_id)
 
@@ -86,7 +87,10 @@ class DraftServer:
         if curve_keys is not None:
             curve.check_key_dir(curve_keys, curve.SERVER)
         runner = DraftRunner.from_dir(model_dir, device, dtype, attention, cuda_graphs, target_dir)
-        return cls(DraftEngine(runner, seed, max_batch), endpoint,
+        corpus = datastore.load_for(model_dir)  # a draft shipped with a datastore (saguaro/datastore.py)
+        if corpus is not None:
+            logger.info("datastore: %d continuations of %s-grams", len(corpus), "/".join(map(str, corpus.ns)))
+        return cls(DraftEngine(runner, seed, max_batch, corpus=corpus), endpoint,
                    curve_keys=curve_keys)
 
     # ---------------------------------------------------------------------------------- loop

@@ -36,6 +36,7 @@ LOOKUP_ENV = "SGLANG_SSD_GREEDY_LOOKUP"   # "off", or "MIN_N,MAX_P" (default bel
 LOOKUP_MIN_N, LOOKUP_MAX_P = 2, 0.8
 MIX_ENV = "SGLANG_SSD_SAMPLED_LOOKUP"     # unset / "off" (default), "on" = the values below, or "MIN_N,W"
 MIX_MIN_N, MIX_W = 2, 0.5
+CORPUS_ENV = "SGLANG_SSD_CORPUS_LOOKUP"   # "off", "on" (default: datastore.MAX_P) or "MAX_P" (datastore.py)
 
 
 def _parse(raw: Optional[str], env: str, default: tuple[int, float], what: str,
@@ -66,6 +67,28 @@ def parse_mix(raw: Optional[str]) -> Optional[tuple[int, float]]:
     """The sampled rule's env setting -> (min_n, w), or None when off (the default: unset = off, "on" =
     (MIX_MIN_N, MIX_W)).  ValueError on a malformed value."""
     return _parse(raw, MIX_ENV, (MIX_MIN_N, MIX_W), "W", unset_on=False)
+
+
+def parse_corpus(raw: Optional[str]) -> Optional[float]:
+    """The corpus rule's env setting -> max_p (the draft's top probability below which a greedy token
+    yields to the datastore's continuation), or None when off.  Unset / "on" = datastore.MAX_P."""
+    from sglang_ssd.saguaro.datastore import MAX_P
+    if raw is None or raw.strip().lower() in ("", "on", "default"):
+        return MAX_P
+    raw = raw.strip().lower()
+    if raw in ("off", "0", "none"):
+        return None
+    try:
+        max_p = float(raw)
+    except ValueError:
+        raise ValueError(f"{CORPUS_ENV}={raw!r}: expected on, off or MAX_P (e.g. {MAX_P})") from None
+    if not 0.0 < max_p <= 1.0 + 1e-9:
+        raise ValueError(f"{CORPUS_ENV}={raw!r}: need 0 < MAX_P <= 1")
+    return max_p
+
+
+def corpus_from_env() -> Optional[float]:
+    return parse_corpus(os.environ.get(CORPUS_ENV))
 
 
 def lookup_from_env() -> Optional[tuple[int, float]]:

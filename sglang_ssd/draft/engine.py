@@ -30,9 +30,9 @@ from sglang_ssd.draft.sampling import sample_rows
 from sglang_ssd.draft.spec_cache import SpecCache
 from sglang_ssd.draft.state import RequestState
 from sglang_ssd.draft.wire_q import wire_q
-from sglang_ssd.saguaro.datastore import Datastore
 from sglang_ssd.protocol import (PROTOCOL_VERSION, Ack, Hello, HelloReply, Prefill, Release,
                                  Speculate, SpecReply)
+from sglang_ssd.saguaro.datastore import Datastore
 
 logger = logging.getLogger(__name__)
 

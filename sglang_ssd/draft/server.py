@@ -23,9 +23,9 @@ from sglang_ssd.draft import curve
 from sglang_ssd.draft.endpoint import normalize_endpoint, remove_ipc_file
 from sglang_ssd.draft.engine import DraftEngine, EngineError
 from sglang_ssd.draft.runner import DraftRunner
-from sglang_ssd.saguaro import datastore
 from sglang_ssd.protocol import (MAX_FRAME_BYTES, Ack, ErrorReply, Health, HealthReply, Hello, Message,
                                  Prefill, ProtocolError, Release, Shutdown, Speculate, decode, peek_req_id)
+from sglang_ssd.saguaro import datastore
 
 FLUSH_WAIT_S = 0.005  # the most a cache build waits for the reply to leave (it takes ~0.1 ms)
 # a Shutdown's Ack is the last reply: the socket closes with this linger, not 0, so a loaded machine's I/O thread

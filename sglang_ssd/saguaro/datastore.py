@@ -9,14 +9,15 @@ continuation of the longest stored suffix of their context when their top probab
 and the request's own lookup did not already replace the token (draft/lookup.py).
 
 Measured offline (default draft, eighth pass; rounds of a K = 3 chain simulated along target-greedy
-trajectories, each round starting after the previous one's bonus token; results/lookup.md):
+trajectories, each round starting after the previous one's bonus token; scripts/lookup_offline.py,
+results/lookup_offline.md):
 
   ========================================  ==========  ===============  ====================
   trajectories                              draft only  + prompt lookup  + corpus (6/8, 0.6, 0.7)
   ========================================  ==========  ===============  ====================
   held-out 20 prompts                       1.868       1.944            2.015
   all 64 bench prompts (EOS ignored)        1.807       1.901            1.942
-  third-pool T = 0 answers left out of it   1.755       2.041            2.112
+  third-pool T = 0 answers left out of it   1.775       2.094            2.160
   ========================================  ==========  ===============  ====================
 
 (n, share, max_p) were chosen over n >= 3..8, share 0.5-0.9, max_p 0.3-1 on the last two rows (the corpus

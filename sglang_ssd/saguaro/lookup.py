@@ -19,6 +19,10 @@ it did not carry over (T = 1, b = 1, all 64 bench prompts, results/variants_samp
 length SD 1.658 -> 1.625, SSD 1.594 -> 1.602; the held-out trajectories are greedy ones, more repetitive than
 sampled answers), so the mixture is OFF by default (SGLANG_SSD_SAMPLED_LOOKUP=on or MIN_N,W turns it on).
 
+The corpus rule (datastore.py: the target's usual continuation of long n-grams, from its own answers) acts on
+greedy rows the rule above left alone, when the draft's top probability is below MAX_P
+(SGLANG_SSD_CORPUS_LOOKUP=off | on | MAX_P).
+
 Exactness: a greedy row is verified by token equality with the target's argmax, so any proposed token
 keeps the output identical to plain decoding.  A sampled row's token is a draw from the mixture q', and
 q' (quantised like every q) is what travels to the verifier: speculative sampling is exact for any q it
@@ -31,6 +35,8 @@ import os
 from typing import Optional
 
 import torch
+
+from sglang_ssd.saguaro.datastore import MAX_P
 
 LOOKUP_ENV = "SGLANG_SSD_GREEDY_LOOKUP"   # "off", or "MIN_N,MAX_P" (default below)
 LOOKUP_MIN_N, LOOKUP_MAX_P = 2, 0.8
@@ -72,7 +78,6 @@ def parse_mix(raw: Optional[str]) -> Optional[tuple[int, float]]:
 def parse_corpus(raw: Optional[str]) -> Optional[float]:
     """The corpus rule's env setting -> max_p (the draft's top probability below which a greedy token
     yields to the datastore's continuation), or None when off.  Unset / "on" = datastore.MAX_P."""
-    from sglang_ssd.saguaro.datastore import MAX_P
     if raw is None or raw.strip().lower() in ("", "on", "default"):
         return MAX_P
     raw = raw.strip().lower()

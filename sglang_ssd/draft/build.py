@@ -130,7 +130,7 @@ def build_cache(e: "DraftEngine", should_stop: Optional[Callable[[], bool]] = No
             c = e.runner.to_cols(torch.as_tensor(st.last_spec, device=z.device))
             z[torch.arange(d, device=z.device)[c >= 0], c[c >= 0]] = -torch.inf
         top = e.runner.to_tokens(torch.topk(z, max(fan), dim=-1).indices).cpu()  # [d+1, maxF] token ids
-        if e.lookup.on and st.temperature <= 0:
+        if e.lookup.setting is not None and st.temperature <= 0:  # the bonus-guess copy is the greedy rule's
             _lookup_guesses(e, st, top, fan, d)
         guesses = torch.cat([top[j, :f] for j, f in enumerate(fan)])   # fork-index-major
         plans.append((st, fork_indices(fan), guesses, fan))
